@@ -1,0 +1,52 @@
+"""dtorch: one single-threaded PyTorch-style program driving many devices.
+
+Every tensor is a distributed tensor (a DeviceMesh and one placement per mesh dim). The user's
+thread only builds symbols and sends compact records; a controller process keeps the graph and
+dispatches it; host processes run torch kernels and torch.distributed collectives.
+
+>>> import dtorch
+>>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+>>> x = dtorch.ones((4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
+>>> (x * 2).sum(dim=1).to_torch()
+tensor([6., 6., 6., 6.])
+"""
+
+import torch as _torch
+
+from . import config, ops  # noqa: F401  (ops registers every operator)
+from .client import frontend as _frontend
+from .client.graph import Graph, default_graph
+from .client.session import shutdown
+from .factories import (
+    arange,
+    empty_like,
+    from_torch,
+    full_like,
+    manual_seed,
+    ones_like,
+    rand,
+    randint,
+    randn,
+    tensor,
+    zeros_like,
+)
+from .future import TensorFuture
+from .mesh import DeviceMesh, init_device_mesh
+from .placement import Partial, Placement, Replicate, Shard
+from .tensor import Tensor
+
+# torch's dtypes are dtorch's: dtorch.float32 is torch.float32
+for _name, _value in vars(_torch).items():
+    if isinstance(_value, _torch.dtype):
+        globals()[_name] = _value
+
+_frontend.install(globals_module := __import__(__name__), Tensor)
+del globals_module
+
+
+def sync() -> None:
+    """Waits for every operator issued so far (``default_graph.sync()``)."""
+    default_graph.sync()
+
+
+__version__ = "0.1.0"

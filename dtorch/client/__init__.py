@@ -1,0 +1,1 @@
+"""The client role: symbols, the record buffer, and the receiver of values and errors."""

@@ -1,0 +1,59 @@
+"""Joining the blocks of a distributed tensor into its full value on the client.
+
+Hosts send the block of every device whose coordinate is 0 on the Replicate mesh dims. Mesh dims
+are undone from the last to the first (the reverse of the order they shard in): a Shard dim
+concatenates its blocks, a Partial dim reduces them, so nested layouts such as ``[S(0), S(0)]``
+or ``[S(0), P]`` come out right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..placement import Partial, Shard
+
+
+def piece_count(spec) -> int:
+    n = 1
+    for size, p in zip(spec.mesh.shape, spec.placements):
+        if not p.is_replicate():
+            n *= size
+    return n
+
+
+def _reduce(op: str, blocks):
+    if op == "sum":
+        out = blocks[0].clone()
+        for b in blocks[1:]:
+            out += b
+        return out
+    if op == "avg":
+        return _reduce("sum", blocks) / len(blocks)
+    fn = torch.maximum if op == "max" else torch.minimum
+    out = blocks[0]
+    for b in blocks[1:]:
+        out = fn(out, b)
+    return out
+
+
+def assemble(spec, pieces: dict) -> torch.Tensor:
+    """Full value from ``{coord: block}``."""
+    blocks = dict(pieces)
+    for i in reversed(range(len(spec.mesh.shape))):
+        p = spec.placements[i]
+        groups: dict = {}
+        for coord, block in blocks.items():
+            groups.setdefault(coord[:i] + coord[i + 1:], []).append((coord[i], block))
+        merged = {}
+        for rest, members in groups.items():
+            members = [b for _, b in sorted(members, key=lambda m: m[0])]
+            if isinstance(p, Shard):
+                value = torch.cat(members, dim=p.dim)
+            elif isinstance(p, Partial):
+                value = _reduce(p.reduce_op, members)
+            else:
+                value = members[0]
+            merged[rest[:i] + (0,) + rest[i:]] = value
+        blocks = merged
+    (value,) = blocks.values()
+    return value

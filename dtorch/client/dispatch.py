@@ -1,0 +1,206 @@
+"""The client's hot path: from an operator call to one appended record.
+
+``dispatch`` looks the call up in the session's bound-call cache, keyed on (operator, static
+args, each operand's interned spec or Python type). A hit costs a dict lookup, new ids and a
+tuple append. A miss runs ``bind``: the metadata rule (torch on meta tensors, or the entry's own),
+the placement rule, the automatic redistributions the rule asks for, and one DefineCall record.
+Errors therefore raise here, at the user's line, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import protocol as P
+from ..mesh import DeviceMesh
+from ..ops.creation import CLIENT_ONLY
+from ..ops.registry import INPLACE, lookup
+from ..ops.rules import Call
+from ..placement import encode_placement, normalize_placements
+from ..spec import intern_spec
+from ..tensor import Tensor
+from . import session as _session
+
+_new = Tensor.__new__
+_DEFAULT_MESH = None
+
+
+def default_mesh() -> DeviceMesh:
+    global _DEFAULT_MESH
+    if _DEFAULT_MESH is None:
+        _DEFAULT_MESH = DeviceMesh("cpu", [0])
+    return _DEFAULT_MESH
+
+
+class Bound:
+    """A call shape whose metadata and placements are known: what a cache hit needs."""
+
+    __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single")
+
+    def __init__(self, call_id, outs, mask, pre=(), post=(), inplace=False):
+        self.call_id, self.outs, self.mask = call_id, outs, mask
+        self.pre, self.post, self.inplace = pre, post, inplace
+        self.single = len(outs) == 1
+
+
+def dispatch(op, operands: tuple, static: tuple):
+    s = _session.current()
+    key = (op, static, *[o._spec if isinstance(o, Tensor) else type(o) for o in operands])
+    try:
+        bound = s.bound.get(key)
+    except TypeError:  # a list among the static args
+        static = _freeze(static)
+        key = (op, static) + key[2:]
+        bound = s.bound.get(key)
+    if bound is None:
+        bound = s.bound[key] = bind(s, op, operands, static)
+    return issue(s, bound, operands, s.site())
+
+
+def issue(s, b: Bound, operands, site: int):
+    if b.pre:
+        operands = list(operands)
+        for k, rb in b.pre:
+            operands[k] = issue(s, rb, (operands[k],), site)
+    vals = [o._id if m else o for o, m in zip(operands, b.mask)]
+    if b.inplace:
+        target = operands[0]
+        s.append((P.OP, b.call_id, site, [target._id], vals))
+        return target
+    ids = s.ids
+    if b.single:
+        t = _new(Tensor)
+        t._id = i = next(ids)
+        t._spec = b.outs[0]
+        s.append((P.OP, b.call_id, site, [i], vals))
+        return issue(s, b.post[0], (t,), site) if b.post else t
+    outs = []
+    for spec in b.outs:
+        t = _new(Tensor)
+        t._id = next(ids)
+        t._spec = spec
+        outs.append(t)
+    s.append((P.OP, b.call_id, site, [t._id for t in outs], vals))
+    if b.post:
+        outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
+    return tuple(outs)
+
+
+# -- binding (cache miss) -------------------------------------------------------------------------
+
+
+def bind(s, op, operands, static) -> Bound:
+    tensors = [o for o in operands if isinstance(o, Tensor)]
+    kw = dict(zip(op.static_names, static))
+    mesh = tensors[0]._spec.mesh if tensors else kw.get("device_mesh") or default_mesh()
+    for t in tensors[1:]:
+        if t._spec.mesh != mesh:
+            raise ValueError(
+                f"dtorch.{op.name}: operands live on different meshes ({mesh} and "
+                f"{t._spec.mesh}); move one with .redistribute(device_mesh=...) first"
+            )
+    kernel_kw = {k: v for k, v in kw.items() if k not in CLIENT_ONLY}
+    meta = op.meta or op.kernel
+    args = [
+        torch.empty(o._spec.shape, dtype=o.dtype, device="meta") if isinstance(o, Tensor) else o
+        for o in operands
+    ]
+    result = meta(*args, **kernel_kw)
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    outs = [(tuple(r.shape), r.dtype) for r in results]
+    inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
+    placed = op.placement(Call(op, inputs, kw, outs, mesh))
+    out_specs = tuple(
+        intern_spec(shape, str(dtype)[6:], mesh, pl) for (shape, dtype), pl in zip(outs, placed.outs)
+    )
+    inplace = bool(op.flags & INPLACE)
+    if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and placed.pre[0]):
+        raise RuntimeError(
+            f"dtorch.{op.name}: an in-place operator must keep its input's layout and dtype "
+            f"({tensors[0]._spec}), but the result would be {out_specs[0]}; use the out-of-place "
+            f"form or redistribute the other operand"
+        )
+    tensor_slots = [k for k, o in enumerate(operands) if isinstance(o, Tensor)]
+    pre = tuple(
+        (k, bind_redistribute(s, operands[k]._spec, operands[k]._spec.with_placements(target)))
+        for k, target in zip(tensor_slots, placed.pre or ())
+        if target is not None
+    )
+    post = ()
+    if placed.post and any(placed.post):
+        post = tuple(
+            bind_redistribute(s, spec, spec.with_placements(target)) if target else None
+            for spec, target in zip(out_specs, placed.post)
+        )
+    static_wire = tuple(v for k, v in kw.items() if k not in CLIENT_ONLY)
+    call_id = define_call(s, op.name, inputs, out_specs, static_wire, op.flags)
+    mask = tuple(isinstance(o, Tensor) for o in operands)
+    return Bound(call_id, out_specs, mask, pre, post, inplace)
+
+
+def bind_redistribute(s, src, dst) -> Bound:
+    key = ("redistribute", src, dst)
+    bound = s.bound.get(key)
+    if bound is None:
+        call_id = define_call(s, "redistribute", (src,), (dst,), (), 0)
+        bound = s.bound[key] = Bound(call_id, (dst,), (True,))
+    return bound
+
+
+def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
+    spec = t._spec
+    mesh = spec.mesh if device_mesh is None else device_mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a dtorch.DeviceMesh, got {mesh!r}")
+    if mesh.device_type != spec.mesh.device_type:
+        raise NotImplementedError("moving a tensor between device types is not supported yet")
+    placements = normalize_placements(placements, len(mesh.shape), len(spec.shape))
+    if mesh == spec.mesh and placements == spec.placements:
+        return t
+    s = _session.current()
+    b = bind_redistribute(s, spec, intern_spec(spec.shape, spec.dtype, mesh, placements))
+    return issue(s, b, (t,), s.site())
+
+
+# -- definitions sent once per session ------------------------------------------------------------
+
+
+def define_call(s, op_name, inputs, outputs, static, flags) -> int:
+    call_id = len(s.call_defs) + 1
+    s.call_defs.append(op_name)
+    s.append(P.DefineCall(
+        P.DEFINE_CALL, call_id, op_name,
+        [spec_id(s, i) if not isinstance(i, type) else 0 for i in inputs],
+        [spec_id(s, o) for o in outputs], P.pack_static(static), flags,
+    ))
+    return call_id
+
+
+def spec_id(s, spec) -> int:
+    i = s.spec_ids.get(spec)
+    if i is None:
+        mesh = mesh_id(s, spec.mesh)
+        i = s.spec_ids[spec] = len(s.spec_ids) + 1
+        s.append(P.DefineSpec(P.DEFINE_SPEC, i, list(spec.shape), spec.dtype, mesh,
+                              [encode_placement(p) for p in spec.placements]))
+    return i
+
+
+def mesh_id(s, mesh) -> int:
+    i = s.mesh_ids.get(mesh)
+    if i is None:
+        i = s.mesh_ids[mesh] = len(s.mesh_ids) + 1
+        s.append(P.DefineMesh(P.DEFINE_MESH, i, mesh.device_type, list(mesh.shape),
+                              list(mesh.devices)))
+    return i
+
+
+def _freeze(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def call_op(name: str, operands: tuple, static: tuple):
+    """Calls a registered operator by name (for fronts written by hand)."""
+    return dispatch(lookup(name), operands, static)

@@ -1,0 +1,61 @@
+"""Generates the public functions and Tensor methods from the operator registry.
+
+Each entry's signature (torch's) becomes a real Python function, so argument errors are Python's
+own and a call costs no signature binding: ``add(input, other, *, alpha=1)`` becomes
+
+    def add(input, other, *, alpha=1):
+        return _dispatch(_op, (input, other), (alpha,))
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..ops.creation import size_arg
+from ..ops.registry import REGISTRY
+from .dispatch import dispatch
+
+_FILENAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<generated>")
+
+
+def _tuple(items) -> str:
+    return "(" + ", ".join(items) + ("," if items else "") + ")"
+
+
+def generate(op):
+    params, operands, static, star = [], [], [], False
+    for p in op.params:
+        if p.varargs:
+            params.append("*" + p.name)
+            star = True
+        else:
+            if p.keyword_only and not star:
+                params.append("*")
+                star = True
+            params.append(p.name if p.default is None else f"{p.name}={p.default}")
+        if p.kind == "tensor":
+            operands.append(p.name)
+        elif p.kind == "tensors":
+            operands.append("*" + p.name)
+        else:
+            static.append(f"_size({p.name})" if p.varargs else p.name)
+    src = (
+        f"def {op.name}({', '.join(params)}):\n"
+        f"    return _dispatch(_op, {_tuple(operands)}, {_tuple(static)})\n"
+    )
+    namespace = {"_dispatch": dispatch, "_op": op, "_size": size_arg}
+    exec(compile(src, _FILENAME, "exec"), namespace)
+    fn = namespace[op.name]
+    fn.__doc__ = op.doc or f"dtorch.{op.signature}: torch.{op.name} on distributed tensors."
+    fn.__qualname__ = op.name
+    return fn
+
+
+def install(module, tensor_cls) -> None:
+    """Adds every registered operator to ``module`` (as a function) and ``tensor_cls``."""
+    for op in REGISTRY.values():
+        fn = generate(op)
+        if op.function:
+            setattr(module, op.name, fn)
+        for method in op.methods:
+            setattr(tensor_cls, method, fn)

@@ -1,0 +1,272 @@
+"""The client session: the user's side of the runtime.
+
+It owns the record buffer that operators append to, flushes it to the controller as one msgpack
+frame (on a sync point, when it grows past ``flush_records``, and shortly after the first record
+of a batch so a device never starves while the user's code runs on), and runs a receiver thread
+that completes TensorFutures and collects kernel errors. The controller process is started on
+first use and dies with this process (see ``cluster/local.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+import threading
+from collections import deque
+
+import zmq
+
+from .. import config, protocol as P
+from ..cluster import local
+from ..future import TensorFuture
+from .assemble import assemble, piece_count
+
+_current = None
+_lock = threading.Lock()
+
+
+def current() -> Session:
+    s = _current
+    if s is None or s.closed:
+        with _lock:
+            s = _current
+            if s is None or s.closed:
+                s = _start()
+    if s.fatal is not None:
+        raise RuntimeError(f"dtorch runtime failed: {s.fatal}. Call dtorch.shutdown() to restart.")
+    return s
+
+
+def _start() -> Session:
+    global _current
+    _current = Session()
+    return _current
+
+
+def release(tensor_id: int) -> None:
+    """Called from Tensor.__del__: queue the release with the operators (no syscall)."""
+    s = _current
+    if s is not None and not s.closed:
+        s.records.append(tensor_id)
+
+
+def shutdown() -> None:
+    """Stops the controller and hosts; the next operator starts a fresh runtime."""
+    global _current
+    with _lock:
+        s, _current = _current, None
+    if s is not None:
+        s.close()
+
+
+atexit.register(shutdown)
+
+
+class Session:
+    def __init__(self):
+        self.records = deque()
+        self.ids = itertools.count(1)  # tensor ids; the controller uses negative ones
+        self.requests = itertools.count(1)
+        self.sites: dict = {}
+        self.site_names: list = ["<unknown>"]
+        self.pending: dict = {}  # request -> (future, spec, pieces)
+        self.errors: list = []  # kernel errors not raised yet
+        self.fatal = None
+        self.closed = False
+        self.graph = 0
+        # per-session caches: the wire ids they hold mean nothing to another controller
+        self.bound: dict = {}  # call key -> dispatch.Bound
+        self.spec_ids: dict = {}
+        self.mesh_ids: dict = {}
+        self.call_defs: list = []
+        self._flush_lock = threading.Lock()
+        self._wake = threading.Event()
+        self.ctx = zmq.Context()
+        self.ops = self.ctx.socket(zmq.PUSH)
+        self.ops.setsockopt(zmq.LINGER, 0)
+        ops_addr = _bind(self.ops)
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.LINGER, 0)
+        results_addr = _bind(self.results)
+        self.controller = local.start_controller(ops_addr, results_addr)
+        self._receiver = threading.Thread(target=self._receive, name="dtorch-receiver", daemon=True)
+        self._receiver.start()
+        self._flusher = threading.Thread(target=self._flush_soon, name="dtorch-flusher", daemon=True)
+        self._flusher.start()
+
+    # -- sending --------------------------------------------------------------------------------
+    def append(self, record) -> None:
+        records = self.records
+        if not records:
+            self._wake.set()
+        records.append(record)
+        if len(records) >= config.flush_records:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._flush_lock:
+            records = self.records
+            n = len(records)
+            if not n or self.closed:
+                return
+            batch = [records.popleft() for _ in range(n)]
+            self.ops.send(P.pack(batch), copy=False)
+
+    def _flush_soon(self) -> None:
+        # Batches form while the user's thread runs ahead; this bounds how long the first record
+        # of a batch waits when the user's code stops issuing without syncing.
+        while not self.closed:
+            self._wake.wait()
+            self._wake.clear()
+            if self.closed:
+                return
+            threading.Event().wait(config.flush_delay_s)
+            self.flush()
+
+    def set_graph(self, graph: int) -> None:
+        if graph != self.graph:
+            self.graph = graph
+            self.append(P.SetGraph(P.SET_GRAPH, graph))
+
+    def site(self) -> int:
+        """Index of the user's ``file:line`` (the first frame outside dtorch)."""
+        f = sys._getframe(1)
+        while f.f_code.co_filename.startswith(_PACKAGE_DIR):
+            f = f.f_back
+        key = (f.f_code.co_filename, f.f_lineno)
+        index = self.sites.get(key)
+        if index is None:
+            index = self.sites[key] = len(self.site_names)
+            self.site_names.append(f"{key[0]}:{key[1]}")
+        return index
+
+    # -- waits ----------------------------------------------------------------------------------
+    def fetch(self, tensor) -> TensorFuture:
+        request = next(self.requests)
+        # a kernel error reported before the value arrived is raised by get() first
+        future = TensorFuture(check=self.raise_errors)
+        self.pending[request] = (future, tensor._spec, {})
+        self.append(P.Fetch(P.FETCH, tensor._id, request))
+        self.flush()
+        if self.fatal is not None:
+            self._fail_all()
+        return future
+
+    def sync(self) -> None:
+        request = next(self.requests)
+        future = TensorFuture()
+        self.pending[request] = (future, None, None)
+        self.append(P.Sync(P.SYNC, request))
+        self.flush()
+        if self.fatal is not None:
+            self._fail_all()
+        future.get()
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        if self.errors:
+            errors, self.errors = self.errors, []
+            first = errors[0]
+            more = f" ({len(errors) - 1} more kernel errors)" if len(errors) > 1 else ""
+            raise RuntimeError(f"{first}{more}")
+
+    # -- receiving (receiver thread) ------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.results, zmq.POLLIN)
+        poller.register(self.controller.life_fd, zmq.POLLIN)
+        while not self.closed:
+            events = dict(poller.poll())
+            if self.controller.life_fd in events:  # the controller exited
+                if not self.closed:
+                    self._die(f"the controller process exited ({self.controller.describe_exit()})")
+                return
+            if self.results in events:
+                try:
+                    frames = self.results.recv_multipart(copy=False)
+                except zmq.ZMQError:
+                    return
+                self._handle(P.unpack(frames[0].buffer), frames[1:])
+
+    def _handle(self, msg, data) -> None:
+        tag = msg[0]
+        if tag == P.VALUE:
+            _, request, coord, shape, dtype = msg
+            future, spec, pieces = self.pending[request]
+            pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
+            if len(pieces) == piece_count(spec):
+                del self.pending[request]
+                try:
+                    future._finish(assemble(spec, pieces))
+                except Exception as e:  # noqa: BLE001 - hand it to the waiter
+                    future._finish(error=e)
+        elif tag == P.FETCH_FAILED:
+            _, request, site, op, message = msg
+            entry = self.pending.pop(request, None)
+            if entry:
+                entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
+        elif tag == P.KERNEL_ERROR:
+            _, site, op, message = msg
+            text = self._describe(site, op, message)
+            if text not in self.errors:
+                self.errors.append(text)
+        elif tag == P.SYNCED:
+            entry = self.pending.pop(msg[1], None)
+            if entry:
+                entry[0]._finish(None)
+        elif tag == P.FATAL:
+            self._die(msg[1])
+
+    def _describe(self, site: int, op: str, message: str) -> str:
+        where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"
+        return f"dtorch.{op} failed (called at {where}): {message}"
+
+    def _die(self, message: str) -> None:
+        self.fatal = message
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        error = RuntimeError(f"dtorch runtime failed: {self.fatal}")
+        pending, self.pending = self.pending, {}
+        for future, _, _ in pending.values():
+            future._finish(error=error)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self.fatal is None:
+                self.flush()
+                self.ops.send(P.pack([P.SHUTDOWN]))
+        except zmq.ZMQError:
+            pass
+        self.closed = True
+        self._wake.set()
+        self.controller.stop(timeout=config.shutdown_timeout_s)
+        self.ops.close(0)
+        self._receiver.join(timeout=1)
+        self.results.close(0)
+        self.ctx.term()
+
+
+def _bind(sock) -> str:
+    sock.bind(f"tcp://{config.bind_host}:*")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _tensor_from(frame, shape, dtype):
+    import torch
+
+    from ..tensor import DTYPES
+
+    dt = DTYPES[dtype]
+    buf = frame.buffer
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dt).reshape(shape)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

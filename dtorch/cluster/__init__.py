@@ -1,0 +1,1 @@
+"""Launching the runtime's processes and keeping their lifetimes tied together."""

@@ -1,0 +1,38 @@
+"""The runtime's knobs, in one place. Each reads an environment variable at import and can be
+changed for a scope with ``with dtorch.config.override(debug=1): ...``.
+
+- debug (DTORCH_DEBUG): 1 logs each batch the controller dispatches, 2 also every kernel.
+- cpu_hosts (DTORCH_CPU_HOSTS): host processes serving CPU devices (device d runs in host
+  d % cpu_hosts, on threads of its own); default: the number of cores, at most 8.
+- flush_records: records buffered before the client sends a batch.
+- flush_delay_s: how long the first record of a batch may wait for company.
+- bind_host (DTORCH_BIND_HOST): the address every socket binds to; loopback by default.
+- shutdown_timeout_s: how long a stopping process waits for its children before killing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+debug = int(os.environ.get("DTORCH_DEBUG", "0"))
+cpu_hosts = int(os.environ.get("DTORCH_CPU_HOSTS", "0")) or min(os.cpu_count() or 1, 8)
+flush_records = 4096
+flush_delay_s = 0.0005
+bind_host = os.environ.get("DTORCH_BIND_HOST", "127.0.0.1")
+shutdown_timeout_s = 5.0
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Temporarily sets knobs: ``with override(debug=2): ...``."""
+    g = globals()
+    unknown = [k for k in values if k not in g or k.startswith("_")]
+    if unknown:
+        raise AttributeError(f"unknown dtorch config knobs: {unknown}")
+    old = {k: g[k] for k in values}
+    g.update(values)
+    try:
+        yield
+    finally:
+        g.update(old)

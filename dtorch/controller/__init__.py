@@ -1,0 +1,1 @@
+"""The controller role: the LogicalGraph of the incremental subgraph, its passes, dispatch."""

@@ -1,0 +1,96 @@
+"""LogicalGraph: what the controller knows of the program.
+
+Operands are tensor ids; an Operator is one call of an operator (its CallInfo says which
+operator, the specs of its operands and results, static args and flags). The controller holds
+only the incremental subgraph of the batch in hand; what was dispatched is remembered just as far
+as later batches need it (which stream produced each live operand: see ``passes.assign_streams``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+from .. import protocol as P
+from ..placement import decode_placement, encode_placement
+from ..spec import MeshInfo, intern_spec
+
+
+class CallInfo(NamedTuple):
+    id: int
+    op: str
+    inputs: tuple  # spec ids (0: a Python scalar)
+    outputs: tuple
+    static: bytes
+    flags: int
+
+
+class Operator:
+    """A node of the incremental subgraph."""
+
+    __slots__ = ("call", "site", "outs", "operands", "stream", "waits")
+
+    def __init__(self, call: CallInfo, site: int, outs, operands):
+        self.call, self.site, self.outs, self.operands = call, site, outs, operands
+        self.stream, self.waits = 0, []
+
+    def inputs(self):
+        """The operand ids this operator reads."""
+        return [o for o, s in zip(self.operands, self.call.inputs) if s]
+
+    def __repr__(self) -> str:
+        return f"{self.call.op}{tuple(self.operands)}->{self.outs}@{self.stream}"
+
+
+class LogicalGraph:
+    def __init__(self):
+        self.meshes: dict = {}
+        self.specs: dict = {}  # spec id -> TensorSpec
+        self.spec_ids: dict = {}  # TensorSpec -> id (for specs the controller makes)
+        self.calls: dict = {}
+        self.step_calls: dict = {}  # (op, in spec id, out spec id, static) -> CallInfo
+        self.definitions: list = []  # every Define* record, for hosts that start late
+        self.graph = 0  # the client's current dtorch.Graph
+        self._temp_ids = itertools.count(-1, -1)  # controller-made operands and specs
+        self._call_ids = itertools.count(-1, -1)
+
+    # -- definitions ----------------------------------------------------------------------------
+    def define(self, rec) -> None:
+        tag = rec[0]
+        if tag == P.DEFINE_MESH:
+            _, i, device_type, shape, devices = rec
+            self.meshes[i] = MeshInfo(device_type, shape, devices, i)
+        elif tag == P.DEFINE_SPEC:
+            _, i, shape, dtype, mesh, placements = rec
+            spec = intern_spec(shape, dtype, self.meshes[mesh], map(decode_placement, placements))
+            self.specs[i] = spec
+            self.spec_ids.setdefault(spec, i)
+        elif tag == P.DEFINE_CALL:
+            self.calls[rec[1]] = CallInfo(rec[1], rec[2], tuple(rec[3]), tuple(rec[4]), rec[5],
+                                          rec[6])
+        self.definitions.append(rec)
+
+    def spec_id(self, spec, out: list) -> int:
+        """Id of a spec the controller made (defined to the hosts through ``out``)."""
+        i = self.spec_ids.get(spec)
+        if i is None:
+            i = next(self._temp_ids)
+            rec = [P.DEFINE_SPEC, i, list(spec.shape), spec.dtype, spec.mesh.wire_id,
+                   [encode_placement(p) for p in spec.placements]]
+            self.define(rec)
+            out.append(rec)
+        return i
+
+    def step_call(self, op: str, src_id: int, dst_id: int, static: bytes, flags: int,
+                  out: list) -> CallInfo:
+        key = (op, src_id, dst_id, static)
+        call = self.step_calls.get(key)
+        if call is None:
+            rec = [P.DEFINE_CALL, next(self._call_ids), op, [src_id], [dst_id], static, flags]
+            self.define(rec)
+            out.append(rec)
+            call = self.step_calls[key] = self.calls[rec[1]]
+        return call
+
+    def temp_id(self) -> int:
+        return next(self._temp_ids)

@@ -1,0 +1,90 @@
+"""The operator registry: every operator is one ``OpDef`` entry.
+
+An entry carries the Python signature (torch's), the host kernel (normally the torch function run on
+local shards), the metadata rule (by default: the kernel run once on meta tensors of the global
+shapes, memoized by the client), and the placement rule (``ops/rules.py``). The client generates the
+public function and ``Tensor`` methods from the signature; the hosts look the kernel up by name.
+
+A signature names tensor operands with ``: Tensor`` (a Python number may stand in their place and
+travels as a value) or ``: TensorList``; every other parameter is static: it is part of the rule
+cache key and is sent once per distinct call shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+# flags travel with each call template, so the controller needs no registry (and no torch)
+from ..protocol import COMM, IMPURE, INPLACE, VIEW  # noqa: F401
+
+
+@dataclass(eq=False)
+class OpDef:
+    name: str
+    signature: str  # "add(input: Tensor, other: Tensor, *, alpha=1)"
+    kernel: Callable  # kernel(*local_operands, **static) -> Tensor | tuple
+    placement: Callable  # rule(call) -> Placed   (see ops/rules.py)
+    meta: Callable | None = None  # meta(call) -> [(shape, dtype)]; default runs kernel on meta tensors
+    methods: tuple = ()  # Tensor method names ("add", "__add__")
+    function: bool = True  # exported as dtorch.<name>
+    flags: int = 0
+    uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
+    doc: str = ""
+    # filled from the signature
+    params: list = field(default_factory=list)
+    static_names: tuple = ()
+
+    def __post_init__(self):
+        self.params = parse_signature(self.signature)
+        self.static_names = tuple(p.name for p in self.params if p.kind == "static")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "tensor", "tensors" or "static"
+    default: str | None  # source text of the default, None when required
+    keyword_only: bool
+    varargs: bool = False
+
+
+_SIG = re.compile(r"^(\w+)\((.*)\)$")
+
+
+def parse_signature(signature: str) -> list:
+    m = _SIG.match(signature.replace("\n", " ").strip())
+    if not m:
+        raise ValueError(f"bad op signature {signature!r}")
+    params, keyword_only = [], False
+    for part in filter(None, (p.strip() for p in m.group(2).split(","))):
+        if part == "*":
+            keyword_only = True
+            continue
+        if part.startswith("*"):  # "*size": varargs that may also be given as one sequence
+            params.append(Param(part[1:], "static", None, False, varargs=True))
+            keyword_only = True
+            continue
+        name, _, default = (s.strip() for s in part.partition("="))
+        name, _, ann = (s.strip() for s in name.partition(":"))
+        kind = {"Tensor": "tensor", "TensorList": "tensors"}.get(ann, "static")
+        params.append(Param(name, kind, default or None, keyword_only))
+    return params
+
+
+REGISTRY: dict = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in REGISTRY:
+        raise ValueError(f"operator {op.name!r} is already registered")
+    REGISTRY[op.name] = op
+    return op
+
+
+def lookup(name: str) -> OpDef:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise NotImplementedError(f"dtorch has no operator {name!r}") from None

@@ -1,0 +1,171 @@
+"""Placement rules: which input placements an operator takes and what it produces.
+
+Rules are written for ONE mesh dimension as rows ``(outputs, inputs)`` of placements, one per
+tensor operand, and expanded here: every mesh dim is matched on its own, the all-Replicate row is
+always present, and a miss raises a ``ValueError`` that names the ``redistribute()`` to add.
+
+The few automatic redistributions are declared by the rule, not special-cased by the client:
+``auto_chunk`` rows let a Replicate input be chunked locally to the Shard a row asks for (cheap:
+no communication), and reductions ask for their Partial outputs to be reduced (``post``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..placement import Partial, Replicate, Shard
+
+R = Replicate()
+LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))  # f(sum x_i) = sum f(x_i) holds for both
+
+
+class Call(NamedTuple):
+    """What a rule sees of one call: operand specs (a Python type for a scalar), static args by
+    name, and the outputs' (shape, dtype) from the metadata rule."""
+
+    op: object
+    inputs: tuple
+    static: dict
+    outs: list
+    mesh: object
+
+    @property
+    def tensors(self) -> tuple:
+        return tuple(s for s in self.inputs if not isinstance(s, type))
+
+    @property
+    def has_scalar(self) -> bool:
+        return any(isinstance(s, type) for s in self.inputs)
+
+
+class Placed(NamedTuple):
+    outs: tuple  # placements of each output (a tuple per output)
+    pre: tuple = ()  # per tensor operand: target placements to redistribute to first, or None
+    post: tuple = ()  # per output: placements to redistribute the result to, or None
+
+
+# -- expansion ------------------------------------------------------------------------------------
+
+
+def expand(call: Call, rows, *, auto_chunk: bool = False) -> Placed:
+    """Matches each mesh dim's input placements against ``rows`` (one-mesh-dim rules)."""
+    specs = call.tensors
+    n_out = len(call.outs)
+    table = {}
+    for outs, ins in list(rows) + [((R,) * n_out, (R,) * len(specs))]:
+        table.setdefault(tuple(ins), tuple(outs))
+    outs = [[] for _ in range(n_out)]
+    pre = [list(s.placements) for s in specs]
+    missing = []
+    for i in range(len(call.mesh.shape)):
+        ins = tuple(s.placements[i] for s in specs)
+        got = table.get(ins)
+        if got is None and auto_chunk:
+            ins, got = _auto_chunk(table, ins)
+        if got is None:
+            missing.append((i, ins))
+            continue
+        for k, p in enumerate(got):
+            outs[k].append(p)
+        for k, p in enumerate(ins):
+            pre[k][i] = p
+    if missing:
+        raise placement_error(call, table, missing)
+    pre = tuple(None if tuple(p) == s.placements else tuple(p) for p, s in zip(pre, specs))
+    return Placed(tuple(tuple(o) for o in outs), pre if any(pre) else ())
+
+
+def _auto_chunk(table, ins):
+    """A row reachable by chunking Replicate inputs locally (the only automatic redistribute of
+    elementwise ops: it needs no communication)."""
+    for row_ins, row_outs in table.items():
+        if all(a == b or (a == R and isinstance(b, Shard)) for a, b in zip(ins, row_ins)):
+            return row_ins, row_outs
+    return ins, None
+
+
+def placement_error(call: Call, table, missing) -> ValueError:
+    names = [p.name for p in call.op.params if p.kind != "static"]
+    specs = call.tensors
+    fixes = [list(s.placements) for s in specs]
+    lines = []
+    for mesh_dim, ins in missing:
+        best = min(table, key=lambda row: sum(a != b for a, b in zip(ins, row)))
+        for k, p in enumerate(best):
+            fixes[k][mesh_dim] = p
+        got = ", ".join(f"{n}={p}" for n, p in zip(names, ins))
+        lines.append(f"mesh dim {mesh_dim}: no rule takes ({got})")
+    todo = [
+        f"{n} = {n}.redistribute(placements={fix!r})"
+        for n, fix, s in zip(names, fixes, specs)
+        if tuple(fix) != s.placements
+    ]
+    accepted = "; ".join(
+        "(" + ", ".join(map(str, row)) + ")" for row in list(table)[:8]
+    )
+    return ValueError(
+        f"dtorch.{call.op.name}: input placements are not supported: {'; '.join(lines)}. "
+        f"Accepted per mesh dim: {accepted}. Redistribute first, e.g. {'; '.join(todo)}"
+    )
+
+
+# -- row builders ---------------------------------------------------------------------------------
+
+
+def replicate_only(call: Call) -> Placed:
+    return expand(call, [])
+
+
+def pointwise_rows(call: Call, *, linear=()):
+    """Elementwise ops with broadcasting: sharding an output dim shards the inputs' matching dims
+    (inputs that broadcast along it stay Replicate). ``linear`` says which Partials pass through:
+    "all" (additive: P + P = P), or the operand positions that may be Partial while the others
+    are Replicate (multiplicative: P * R = P)."""
+    out_shape = call.outs[0][0]
+    specs = call.tensors
+    rows = []
+    for d in range(len(out_shape)):
+        ins = []
+        for s in specs:
+            di = d - (len(out_shape) - len(s.shape))
+            ins.append(Shard(di) if di >= 0 and s.shape[di] == out_shape[d] else R)
+        rows.append(((Shard(d),), tuple(ins)))
+    for p in LINEAR_PARTIALS:
+        if linear == "all" and not call.has_scalar:
+            rows.append(((p,), (p,) * len(specs)))
+        elif linear != "all":
+            for k in linear:
+                if k < len(specs):
+                    rows.append(((p,), tuple(p if j == k else R for j in range(len(specs)))))
+    return rows
+
+
+def pointwise(linear=(), auto_chunk=False):
+    def rule(call: Call) -> Placed:
+        return expand(call, pointwise_rows(call, linear=linear), auto_chunk=auto_chunk)
+
+    return rule
+
+
+def einsum_rows(in_labels, out_labels: str, shapes) -> list:
+    """Contractions: a label kept in the output may be sharded in every input that has it (others
+    replicate); a contracted label sharded in every input that has it gives a Partial sum; and one
+    Partial input with the others Replicate stays Partial (the product is linear in each input)."""
+    size = {}
+    for labels, shape in zip(in_labels, shapes):
+        for c, n in zip(labels, shape):
+            size[c] = max(size.get(c, 1), n)
+    rows = []
+    for c in dict.fromkeys("".join(in_labels)):
+        ins = tuple(
+            Shard(lab.index(c)) if c in lab and shape[lab.index(c)] == size[c] else R
+            for lab, shape in zip(in_labels, shapes)
+        )
+        if all(p == R for p in ins):
+            continue
+        out = Shard(out_labels.index(c)) if c in out_labels else Partial()
+        rows.append(((out,), ins))
+    for p in LINEAR_PARTIALS:
+        for k in range(len(in_labels)):
+            rows.append(((p,), tuple(p if j == k else R for j in range(len(in_labels)))))
+    return rows

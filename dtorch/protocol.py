@@ -1,0 +1,187 @@
+"""The whole wire vocabulary between client, controller and hosts, in one place.
+
+Every message is a tuple whose first field is its tag; batches are msgpack lists of records, sent
+as one frame. Nothing is ever pickled. The hot records stay small: an operator is
+``(OP, call_id, site, out_ids, operands)`` where ``operands`` holds tensor ids and Python scalars
+(which are which is fixed by the call template), and a release is a bare int (the tensor id).
+
+Client -> controller (a batch of records):
+    DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
+    Op, release (int), Fetch, Sync, SetGraph, Shutdown
+Controller -> hosts (a batch): the Define* records, then Kernel, release, HostFetch, Sync
+Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
+Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgpack
+
+# call flags (DefineCall.flags): what the controller must know of an operator without its entry
+INPLACE = 1  # writes operand 0 and returns it
+VIEW = 2  # output aliases operand 0's storage
+IMPURE = 4  # must run even when nothing reads its outputs
+COMM = 8  # runs on the communication stream
+
+# tags
+DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
+KERNEL = 8
+VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
+
+
+class DefineMesh(NamedTuple):
+    tag: int
+    id: int
+    device_type: str
+    shape: list
+    devices: list
+
+
+class DefineSpec(NamedTuple):
+    tag: int
+    id: int
+    shape: list
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    mesh: int
+    placements: list  # encoded placements: "S0", "R", "Psum"
+
+
+class DefineCall(NamedTuple):
+    """One call shape of an operator: everything about a call that is not an id or a value."""
+
+    tag: int
+    id: int
+    op: str
+    inputs: list  # spec id per operand; 0 for a Python scalar (passed by value)
+    outputs: list  # spec id per output
+    static: bytes  # msgpack of the static args, decoded only by hosts (see pack_static)
+    flags: int  # INPLACE, VIEW, IMPURE, COMM (above)
+
+
+class Op(NamedTuple):
+    tag: int
+    call: int
+    site: int  # client-side index of the user's file:line, echoed back in errors
+    outs: list
+    operands: list
+
+
+class Fetch(NamedTuple):
+    tag: int
+    id: int
+    request: int
+
+
+class Sync(NamedTuple):
+    tag: int
+    token: int
+
+
+class SetGraph(NamedTuple):
+    tag: int
+    graph: int
+
+
+class Kernel(NamedTuple):
+    """An Op or a redistribute step, placed on a stream; ``waits`` lists other streams whose
+    work queued so far must finish first (the host records an event on each)."""
+
+    tag: int
+    call: int
+    site: int
+    stream: int
+    waits: list
+    outs: list
+    operands: list
+
+
+class HostFetch(NamedTuple):
+    tag: int
+    id: int
+    request: int
+    stream: int
+    waits: list
+
+
+class Value(NamedTuple):
+    tag: int
+    request: int
+    coord: list
+    shape: list
+    dtype: str
+
+
+class FetchFailed(NamedTuple):
+    tag: int
+    request: int
+    site: int
+    op: str
+    message: str
+
+
+class KernelError(NamedTuple):
+    tag: int
+    site: int
+    op: str
+    message: str
+
+
+class Synced(NamedTuple):
+    tag: int
+    token: int
+    host: int
+
+
+class HostReady(NamedTuple):
+    tag: int
+    host: int
+    pid: int
+
+
+class Welcome(NamedTuple):
+    tag: int
+    store_port: int  # the TCPStore that process groups rendezvous through
+    store_master: bool  # this host serves it
+
+
+class Fatal(NamedTuple):
+    tag: int
+    message: str
+
+
+def pack(records) -> bytes:
+    return msgpack.packb(records, use_bin_type=True)
+
+
+def unpack(frame) -> list:
+    return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+
+
+# -- static args: torch dtypes travel as ext type 1 with their name -----------------------------
+_DTYPE_EXT = 1
+
+
+def pack_static(static: tuple) -> bytes:
+    def encode(obj):
+        import torch  # only reached for non-msgpack types, so the controller never imports it
+
+        if isinstance(obj, torch.dtype):
+            return msgpack.ExtType(_DTYPE_EXT, str(obj)[6:].encode())
+        if isinstance(obj, torch.Size):
+            return list(obj)
+        raise TypeError(f"cannot send static argument {obj!r} of type {type(obj).__name__}")
+
+    return msgpack.packb(static, default=encode, use_bin_type=True)
+
+
+def unpack_static(blob: bytes) -> list:
+    import torch
+
+    def ext(code, data):
+        if code == _DTYPE_EXT:
+            return getattr(torch, data.decode())
+        return msgpack.ExtType(code, data)
+
+    return msgpack.unpackb(blob, ext_hook=ext, raw=False, use_list=False)

@@ -1,0 +1,1 @@
+"""The host role: Blobs, Streams and Events, kernel lowering, and collectives."""

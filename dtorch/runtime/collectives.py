@@ -1,0 +1,154 @@
+"""Kernels of the redistribute steps (``redistribute.py`` plans them), on local blocks.
+
+Each takes ``(ctx, block, mesh_dim)``. Collectives go through torch.distributed process groups
+(gloo on CPU, NCCL on CUDA); uneven shards are padded to the largest chunk for the collective
+and cut back after, since collectives need equal sizes on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    AllToAllOptions,
+    BroadcastOptions,
+    ReduceOp,
+    ReduceScatterOptions,
+)
+
+from ..placement import chunk_range, chunk_sizes
+from ..spec import device_at
+
+REDUCE = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim).contiguous()
+
+
+def all_gather(ctx, x, mesh_dim):
+    """S(d) -> R over one mesh dim."""
+    d = ctx.in_specs[0].placements[mesh_dim].dim
+    pg, _ = ctx.group(mesh_dim)
+    sizes = chunk_sizes(ctx.out_local_shape[d], pg.size())
+    padded = _pad(x, d, sizes[0])
+    outs = [torch.empty_like(padded) for _ in sizes]
+    pg.allgather([outs], [padded]).wait()
+    return torch.cat([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d)
+
+
+def all_reduce(ctx, x, mesh_dim):
+    """P -> R over one mesh dim."""
+    op = ctx.in_specs[0].placements[mesh_dim].reduce_op
+    pg, _ = ctx.group(mesh_dim)
+    out = x.clone(memory_format=torch.contiguous_format)
+    opts = AllreduceOptions()
+    opts.reduceOp = REDUCE[op]
+    pg.allreduce([out], opts).wait()
+    return out.div_(pg.size()) if op == "avg" else out
+
+
+def reduce_scatter(ctx, x, mesh_dim):
+    """P -> S(d) over one mesh dim: reduce, each device keeping its chunk."""
+    op = ctx.in_specs[0].placements[mesh_dim].reduce_op
+    d = ctx.out_specs[0].placements[mesh_dim].dim
+    pg, rank = ctx.group(mesh_dim)
+    sizes = chunk_sizes(x.shape[d], pg.size())
+    chunks = [_pad(c, d, sizes[0]) for c in torch.split(x, sizes, d)]
+    out = torch.empty_like(chunks[0])
+    opts = ReduceScatterOptions()
+    opts.reduceOp = REDUCE[op]
+    pg.reduce_scatter([out], [chunks], opts).wait()
+    return out.narrow(d, 0, sizes[rank]).contiguous()
+
+
+def all_to_all(ctx, x, mesh_dim):
+    """S(d) -> S(e) over one mesh dim: chunk j of dim e goes to device j, the received chunks
+    join along d."""
+    d = ctx.in_specs[0].placements[mesh_dim].dim
+    e = ctx.out_specs[0].placements[mesh_dim].dim
+    pg, rank = ctx.group(mesh_dim)
+    n = pg.size()
+    d_sizes = chunk_sizes(ctx.out_local_shape[d], n)
+    e_sizes = chunk_sizes(x.shape[e], n)
+    send = torch.stack([_pad(_pad(c, d, d_sizes[0]), e, e_sizes[0])
+                        for c in torch.split(x, e_sizes, e)])
+    recv = torch.empty_like(send)
+    pg.alltoall_base(recv, send, [], [], AllToAllOptions()).wait()
+    return torch.cat([recv[j].narrow(d, 0, d_sizes[j]).narrow(e, 0, e_sizes[rank])
+                      for j in range(n)], d)
+
+
+def chunk(ctx, x, mesh_dim):
+    """R -> S(d): keep this device's chunk (a copy, so the result owns its memory)."""
+    d = ctx.out_specs[0].placements[mesh_dim].dim
+    offset, length = chunk_range(x.shape[d], ctx.out_specs[0].mesh.shape[mesh_dim],
+                                 ctx.out_coord[mesh_dim])
+    return x.narrow(d, offset, length).clone()
+
+
+def partition(ctx, x, mesh_dim):
+    """R -> P: coordinate 0 keeps the value, the others the identity of the reduction."""
+    p = ctx.out_specs[0].placements[mesh_dim]
+    if p.reduce_op == "sum" and ctx.out_coord[mesh_dim] != 0:
+        return torch.zeros_like(x)
+    return x.clone()
+
+
+def pad_partial(ctx, x, mesh_dim):
+    """S(d) -> P(sum): the chunk in its place, zeros around it (the sum is the whole)."""
+    d = ctx.in_specs[0].placements[mesh_dim].dim
+    full = ctx.out_local_shape[d]
+    out = x.new_zeros(ctx.out_local_shape)
+    offset, length = chunk_range(full, ctx.out_specs[0].mesh.shape[mesh_dim],
+                                 ctx.out_coord[mesh_dim])
+    out.narrow(d, offset, length).copy_(x)
+    return out
+
+
+def move(ctx, x, mesh_dim):
+    """Between meshes. Same shape: the device at coordinate c of the source sends its block to
+    the device at c of the target. Otherwise (Replicate on both): source device 0 broadcasts the
+    whole value to the target mesh. Every device walks the transfers in the same order."""
+    src, dst = ctx.in_specs[0], ctx.out_specs[0]
+    if src.mesh.shape == dst.mesh.shape:
+        transfers = [(device_at(src.mesh, c), (device_at(dst.mesh, c),), dst.local_region(c)[0])
+                     for c in itertools.product(*map(range, dst.mesh.shape))]
+    else:
+        transfers = [(src.mesh.devices[0], dst.mesh.devices, dst.shape)]
+    me, out = ctx.device.index, None
+    for root, receivers, shape in transfers:
+        members = tuple(sorted({root, *receivers}))
+        if me not in members:
+            continue
+        if members == (me,):
+            out = x.clone()
+            continue
+        if me == root:
+            buf = x.contiguous()
+        else:
+            buf = torch.empty(shape, dtype=getattr(torch, dst.dtype),
+                              device=ctx.device.torch_device)
+        opts = BroadcastOptions()
+        opts.rootRank = members.index(root)
+        ctx.device.group(members).broadcast([buf], opts).wait()
+        if me in receivers:
+            out = buf.clone() if me == root else buf
+    return out
+
+
+def copy(ctx, x, mesh_dim):
+    return x.clone()
+
+
+STEP_KERNELS = {
+    "all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
+    "all_to_all": all_to_all, "chunk": chunk, "partition": partition,
+    "pad_partial": pad_partial, "move": move, "copy": copy,
+}
