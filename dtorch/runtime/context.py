@@ -60,8 +60,9 @@ class Groups:
     runs its collectives in the same program order, so creation (a rendezvous through the
     TCPStore) meets up without deadlock."""
 
-    def __init__(self, device_index: int, torch_device: torch.device, store_fn):
-        self.index, self.torch_device, self.store_fn = device_index, torch_device, store_fn
+    def __init__(self, device_index: int, torch_device: torch.device, connect_store):
+        self.index, self.torch_device = device_index, torch_device
+        self.connect_store, self.store = connect_store, None
         self.groups: dict = {}
 
     def get(self, members: tuple):
@@ -71,7 +72,9 @@ class Groups:
         return pg
 
     def _create(self, members: tuple):
-        store = PrefixStore("pg/" + "-".join(map(str, members)), self.store_fn())
+        if self.store is None:
+            self.store = self.connect_store()
+        store = PrefixStore("pg/" + "-".join(map(str, members)), self.store)
         rank, size = members.index(self.index), len(members)
         if self.torch_device.type == "cuda":
             from torch._C._distributed_c10d import ProcessGroupNCCL

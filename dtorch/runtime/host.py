@@ -148,9 +148,8 @@ class Host:
         self.devices: dict = {}  # local device index -> Device
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
         self._local: dict = {}  # mesh id -> local Devices
-        self._store = None
+        self._store_master = None
         self._store_port = None
-        self._store_lock = threading.Lock()
         self.cuda = device_type == "cuda"
 
     # -- sockets --------------------------------------------------------------------------------
@@ -165,10 +164,9 @@ class Host:
         self._thread_socks.sock.send_multipart(frames, copy=False)
 
     def store(self):
-        with self._store_lock:
-            if self._store is None:
-                self._store = TCPStore("127.0.0.1", self._store_port, None, False, STORE_TIMEOUT)
-            return self._store
+        """A new client of the rendezvous store. Each device needs its own: a client blocks
+        while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
+        return TCPStore("127.0.0.1", self._store_port, None, False, STORE_TIMEOUT)
 
     # -- devices --------------------------------------------------------------------------------
     def local_devices(self, mesh) -> list:
@@ -276,8 +274,8 @@ class Host:
         _, port, master = rec
         self._store_port = port
         if master:  # serve the store the process groups rendezvous through
-            self._store = TCPStore("127.0.0.1", port, None, True, STORE_TIMEOUT,
-                                   wait_for_workers=False)
+            self._store_master = TCPStore("127.0.0.1", port, None, True, STORE_TIMEOUT,
+                                          wait_for_workers=False)
 
     HANDLERS = {
         P.DEFINE_MESH: on_define_mesh,

@@ -1,0 +1,34 @@
+"""Test set-up: one dtorch runtime serves the whole session (it starts on first use and stops
+at exit); tests that kill processes run their program in a subprocess of their own."""
+
+import pytest
+import torch
+
+import dtorch
+
+
+@pytest.fixture(scope="session")
+def mesh1():
+    return dtorch.DeviceMesh("cpu", [0, 1, 2])
+
+
+@pytest.fixture(scope="session")
+def mesh2():
+    return dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])
+
+
+@pytest.fixture(scope="session")
+def mesh3():
+    return dtorch.init_device_mesh("cpu", (2, 2, 2))
+
+
+@pytest.fixture(autouse=True)
+def _no_pending_errors():
+    """Every test starts and ends with no unreported kernel error."""
+    yield
+    dtorch.sync()
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)
