@@ -6,7 +6,8 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   d % cpu_hosts, on threads of its own); default: the number of cores, at most 8.
 - flush_records: records buffered before the client sends a batch.
 - flush_delay_s: how long the first record of a batch may wait for company.
-- bind_host (DTORCH_BIND_HOST): the address every socket binds to; loopback by default.
+- bind_host (DTORCH_BIND_HOST): the address every socket binds to (zmq, gloo, the rendezvous
+  store); loopback by default. Children started later inherit the value in force.
 - shutdown_timeout_s: how long a stopping process waits for its children before killing them.
 """
 

@@ -52,9 +52,12 @@ def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None):
 
 def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, device_mesh=None,
             placements=None):
-    """``randint(high, size)`` or ``randint(low, high, size)``, as torch."""
+    """``randint(high, size)``, ``randint(high, size=size)`` or ``randint(low, high, size)``,
+    as torch."""
     if size is None:
         low, high, size = 0, low, high
+    elif high is None:
+        low, high = 0, low
     size = size_arg((size,))
     seed = _seed(generator, lambda sz, **kw: torch.randint(low, high, sz, **kw), size, dtype)
     return call_op("randint", (seed,), (low, high, size, dtype, device_mesh, placements))

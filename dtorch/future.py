@@ -23,7 +23,8 @@ class TensorFuture:
         self._value = self._error = None
         self._callbacks = []
         self._lock = threading.Lock()
-        self._check = check  # raises errors reported before the value (the session's)
+        # check(own error): raises it, or else the errors reported before the value (session's)
+        self._check = check
 
     # -- completion (receiver thread) -----------------------------------------------------------
     def _finish(self, value=None, error=None):
@@ -51,10 +52,10 @@ class TensorFuture:
         """The value (a torch.Tensor); raises the kernel error that prevented it."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"value not ready after {timeout} s")
+        if self._check is not None:
+            self._check(self._error)
         if self._error is not None:
             raise self._error
-        if self._check is not None:
-            self._check()
         return self._value
 
     result = get

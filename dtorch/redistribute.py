@@ -1,23 +1,34 @@
 """Redistribute planning: which collective turns one layout into another, per mesh dim.
 
 A plan is data: a tuple of ``Step(kind, mesh_dim, src, dst)``, each changing the placement of one
-mesh dim, memoized on (shape, mesh shape, source, target). The controller lowers each step to a
-kernel; the hosts run it (``runtime/collectives.py``). The transitions, one mesh dim at a time:
+mesh dim, memoized on the (source, target) placements (the kernels size their buffers from the
+specs, so the plan does not depend on the shape). The controller lowers each step to a kernel;
+the hosts run it (``runtime/collectives.py``). The transitions, one mesh dim at a time:
 
     S(d) -> R      all_gather       gather the chunks (padded to equal size when uneven)
     P    -> R      all_reduce
     P    -> S(d)   reduce_scatter   reduce and keep own chunk
     S(d) -> S(e)   all_to_all       send chunk j of dim e to device j, join the received on d
-    S(d) -> P      pad_partial      local: own chunk in place, zeros around (sum only)
+    S(d) -> P      pad_partial      local: own chunk in place, the reduction's identity around
+                                    (sum, max, min; avg goes through R)
     R    -> S(d)   chunk            local: keep own chunk
     R    -> P      partition        local: device 0 keeps the value, the others the identity
-    P(a) -> P(b)   all_reduce then partition
+    P(a) -> P(b)   all_reduce, then partition
 
-Mesh dims shard in order (see ``placement.local_region``), so a dim is changed only when no later
-mesh dim shards the same tensor dim: the planner first walks from the last mesh dim to the first,
-leaving Shard/Partial (unsharding a later dim when an earlier one must change under it), then walks
-forward entering the target placements from Replicate. A direct one-step transition is used only
-when no other mesh dim touches the tensor dims involved; otherwise the plan goes through Replicate.
+Why an order is needed. Mesh dims shard in order (see ``placement.local_region``): a tensor dim
+sharded by mesh dims i < k is split over i first, then each chunk over k. So a mesh dim may change
+how it shards tensor dim d only while no later mesh dim shards d. Partials nest the same way: the
+value is the reduction over the last mesh dim first, so a mesh dim may reduce only while the
+later Partial mesh dims hold ops that commute with its own (sum and avg are both linear; max and
+min commute only with themselves).
+
+The plan. First find the mesh dims to undo: those that change, and, in mesh order, every later
+dim that conflicts with an undone earlier one (shares a tensor dim with it, or holds a Partial
+that does not commute with it). Then walk the undone dims from the last to the first, taking the
+direct one-step transition where the dim conflicts with no earlier undone dim, and leaving to
+Replicate otherwise. Last, walk forward entering the remaining targets from Replicate. Every
+step therefore finds the later mesh dims either untouched by it, Replicate, or at targets that do
+not conflict with it, which is the condition above.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from typing import NamedTuple
 from .placement import Partial, Replicate, Shard, placements_str
 
 R = Replicate()
+LINEAR_OPS = frozenset({"sum", "avg"})
+PAD_OPS = frozenset({"sum", "max", "min"})  # reductions with an identity to pad around a chunk
 
 
 class Step(NamedTuple):
@@ -40,10 +53,51 @@ class Step(NamedTuple):
         return f"{self.kind}[{self.mesh_dim}]({self.src}->{self.dst})"
 
 
-def _touches(placements, mesh_dim: int, dims) -> bool:
-    return any(
-        isinstance(p, Shard) and p.dim in dims for k, p in enumerate(placements) if k != mesh_dim
-    )
+# -- what one mesh dim's transition touches -------------------------------------------------------
+
+
+def _shard_dims(transition) -> set:
+    return {p.dim for p in transition if isinstance(p, Shard)}
+
+
+def _partial_ops(transition) -> set:
+    return {p.reduce_op for p in transition if isinstance(p, Partial)}
+
+
+def _commute(a: str, b: str) -> bool:
+    return a == b or (a in LINEAR_OPS and b in LINEAR_OPS)
+
+
+def _conflicts(later, earlier) -> bool:
+    """Whether two mesh dims' transitions ``(src, dst)`` cannot run independently: they shard
+    the same tensor dim, or hold Partials whose reductions do not commute."""
+    if _shard_dims(later) & _shard_dims(earlier):
+        return True
+    return any(not _commute(a, b) for a in _partial_ops(later) for b in _partial_ops(earlier))
+
+
+def _direct(cur, want):
+    """The one-step transition between two non-Replicate placements, or None."""
+    if cur == want or isinstance(cur, Replicate) or isinstance(want, Replicate):
+        return None
+    if isinstance(want, Shard):
+        return "all_to_all" if isinstance(cur, Shard) else "reduce_scatter"
+    if isinstance(cur, Shard) and want.reduce_op in PAD_OPS:
+        return "pad_partial"
+    return None
+
+
+LEAVE = {Shard: "all_gather", Partial: "all_reduce"}  # X -> Replicate
+ENTER = {Shard: "chunk", Partial: "partition"}  # Replicate -> X
+
+
+def _undone(src: tuple, dst: tuple) -> list:
+    """Mesh dims that must leave their source placement, in mesh order (see the module doc)."""
+    undo = []
+    for k, (cur, want) in enumerate(zip(src, dst)):
+        if cur != want or any(_conflicts((cur, want), (src[j], dst[j])) for j in undo):
+            undo.append(k)
+    return undo
 
 
 @lru_cache(maxsize=4096)
@@ -60,30 +114,16 @@ def plan_redistribute(src: tuple, dst: tuple) -> tuple:
         steps.append(Step(kind, i, state[i], new))
         state[i] = new
 
-    for i in reversed(range(len(state))):
-        cur, want = state[i], dst[i]
-        nested = isinstance(cur, Shard) and any(
-            state[k] != dst[k] and cur in (state[k], dst[k]) for k in range(i)
-        )
-        if (cur == want and not nested) or isinstance(cur, Replicate):
-            continue
-        if isinstance(cur, Shard):
-            if nested:
-                move("all_gather", i, R)
-            elif isinstance(want, Shard) and not _touches(state, i, (cur.dim, want.dim)) and not _touches(dst, i, (cur.dim, want.dim)):
-                move("all_to_all", i, want)
-            elif want == Partial("sum") and not _touches(state, i, (cur.dim,)):
-                move("pad_partial", i, want)
-            else:
-                move("all_gather", i, R)
-        else:  # Partial
-            if isinstance(want, Shard) and cur.reduce_op != "avg" and not _touches(state, i, (want.dim,)) and not _touches(dst, i, (want.dim,)):
-                move("reduce_scatter", i, want)
-            else:
-                move("all_reduce", i, R)
-    for i, want in enumerate(dst):
-        if state[i] != want:
-            move("chunk" if isinstance(want, Shard) else "partition", i, want)
+    undo = _undone(src, dst)
+    for n, i in reversed(list(enumerate(undo))):
+        kind = _direct(src[i], dst[i])
+        if kind and not any(_conflicts((src[i], dst[i]), (src[j], dst[j])) for j in undo[:n]):
+            move(kind, i, dst[i])
+        elif not isinstance(src[i], Replicate):
+            move(LEAVE[type(src[i])], i, R)
+    for i in undo:
+        if state[i] != dst[i]:
+            move(ENTER[type(dst[i])], i, dst[i])
     return tuple(steps)
 
 

@@ -15,7 +15,7 @@ from .. import protocol as P
 from ..mesh import DeviceMesh
 from ..ops.creation import CLIENT_ONLY
 from ..ops.registry import INPLACE, lookup
-from ..ops.rules import Call
+from ..ops.rules import Call, inplace_error
 from ..placement import encode_placement, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor
@@ -89,16 +89,29 @@ def issue(s, b: Bound, operands, site: int):
 # -- binding (cache miss) -------------------------------------------------------------------------
 
 
-def bind(s, op, operands, static) -> Bound:
-    tensors = [o for o in operands if isinstance(o, Tensor)]
-    kw = dict(zip(op.static_names, static))
+def call_mesh(op, tensors, kw) -> DeviceMesh:
+    """The mesh a call runs on: its operands' (all on one mesh), or a factory's device_mesh."""
     mesh = tensors[0]._spec.mesh if tensors else kw.get("device_mesh") or default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dtorch.{op.name}: device_mesh must be a dtorch.DeviceMesh, got {mesh!r}")
     for t in tensors[1:]:
         if t._spec.mesh != mesh:
             raise ValueError(
                 f"dtorch.{op.name}: operands live on different meshes ({mesh} and "
                 f"{t._spec.mesh}); move one with .redistribute(device_mesh=...) first"
             )
+    return mesh
+
+
+def bind(s, op, operands, static) -> Bound:
+    if any(isinstance(o, torch.Tensor) for o in operands):  # it would travel by value
+        raise TypeError(
+            f"dtorch.{op.name}: got a torch.Tensor operand; make it a dtorch.Tensor first "
+            f"with dtorch.from_torch(t, device_mesh=..., placements=...)"
+        )
+    tensors = [o for o in operands if isinstance(o, Tensor)]
+    kw = dict(zip(op.static_names, static))
+    mesh = call_mesh(op, tensors, kw)
     kernel_kw = {k: v for k, v in kw.items() if k not in CLIENT_ONLY}
     meta = op.meta or op.kernel
     args = [
@@ -109,17 +122,16 @@ def bind(s, op, operands, static) -> Bound:
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     outs = [(tuple(r.shape), r.dtype) for r in results]
     inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
-    placed = op.placement(Call(op, inputs, kw, outs, mesh))
+    call = Call(op, inputs, kw, outs, mesh)
+    placed = op.placement(call)
     out_specs = tuple(
-        intern_spec(shape, str(dtype)[6:], mesh, pl) for (shape, dtype), pl in zip(outs, placed.outs)
+        intern_spec(shape, str(dtype)[6:], mesh, pl)
+        for (shape, dtype), pl in zip(outs, placed.outs)
     )
     inplace = bool(op.flags & INPLACE)
+    # the metadata rule has refused shape and dtype changes as torch does; placements remain
     if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and placed.pre[0]):
-        raise RuntimeError(
-            f"dtorch.{op.name}: an in-place operator must keep its input's layout and dtype "
-            f"({tensors[0]._spec}), but the result would be {out_specs[0]}; use the out-of-place "
-            f"form or redistribute the other operand"
-        )
+        raise inplace_error(call, placed)
     tensor_slots = [k for k, o in enumerate(operands) if isinstance(o, Tensor)]
     pre = tuple(
         (k, bind_redistribute(s, operands[k]._spec, operands[k]._spec.with_placements(target)))

@@ -10,10 +10,12 @@ first use and dies with this process (see ``cluster/local.py``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import sys
 import threading
+import traceback
 from collections import deque
 
 import zmq
@@ -25,6 +27,10 @@ from .assemble import assemble, piece_count
 
 _current = None
 _lock = threading.Lock()
+# Tensor ids are unique across sessions, so a tensor that outlives a dtorch.shutdown() can never
+# name (or, when dropped, release) a tensor of the next runtime.
+_tensor_ids = itertools.count(1)
+MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
 
 
 def current() -> Session:
@@ -46,10 +52,15 @@ def _start() -> Session:
 
 
 def release(tensor_id: int) -> None:
-    """Called from Tensor.__del__: queue the release with the operators (no syscall)."""
+    """Called from Tensor.__del__: queue the release with the operators. Like an operator, the
+    first record of a batch wakes the flusher, or a drop followed by no other call would keep
+    the memory on the hosts until the next one."""
     s = _current
     if s is not None and not s.closed:
-        s.records.append(tensor_id)
+        records = s.records
+        if not records:
+            s._wake.set()
+        records.append(tensor_id)
 
 
 def shutdown() -> None:
@@ -67,12 +78,14 @@ atexit.register(shutdown)
 class Session:
     def __init__(self):
         self.records = deque()
-        self.ids = itertools.count(1)  # tensor ids; the controller uses negative ones
+        self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         self.requests = itertools.count(1)
         self.sites: dict = {}
         self.site_names: list = ["<unknown>"]
         self.pending: dict = {}  # request -> (future, spec, pieces)
-        self.errors: list = []  # kernel errors not raised yet
+        self.errors: list = []  # kernel errors not raised yet (at most MAX_ERRORS)
+        self.more_errors = 0  # how many more were reported
+        self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
         self.fatal = None
         self.closed = False
         self.graph = 0
@@ -91,6 +104,10 @@ class Session:
         self.results.setsockopt(zmq.LINGER, 0)
         results_addr = _bind(self.results)
         self.controller = local.start_controller(ops_addr, results_addr)
+        # torch imports its meta kernels (hundreds of modules, about a second) on first use;
+        # do that while the controller starts rather than at the user's first operator
+        # (not a daemon: one still inside torch's import when the interpreter exits aborts it)
+        threading.Thread(target=_warm_meta_kernels, name="dtorch-warm").start()
         self._receiver = threading.Thread(target=self._receive, name="dtorch-receiver", daemon=True)
         self._receiver.start()
         self._flusher = threading.Thread(target=self._flush_soon, name="dtorch-flusher", daemon=True)
@@ -112,7 +129,18 @@ class Session:
             if not n or self.closed:
                 return
             batch = [records.popleft() for _ in range(n)]
-            self.ops.send(P.pack(batch), copy=False)
+            self._send(P.pack(batch))
+
+    def _send(self, frame) -> None:
+        # A PUSH socket blocks while it has no peer, and a dead controller must not hang the
+        # user: wait for room in short polls, giving up once the runtime is known to be dead.
+        while True:
+            try:
+                return self.ops.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if self.fatal is not None:
+                    return
+                self.ops.poll(100, zmq.POLLOUT)
 
     def _flush_soon(self) -> None:
         # Batches form while the user's thread runs ahead; this bounds how long the first record
@@ -145,7 +173,7 @@ class Session:
     # -- waits ----------------------------------------------------------------------------------
     def fetch(self, tensor) -> TensorFuture:
         request = next(self.requests)
-        # a kernel error reported before the value arrived is raised by get() first
+        # get() raises the fetch's own failure, or a kernel error reported before it
         future = TensorFuture(check=self.raise_errors)
         self.pending[request] = (future, tensor._spec, {})
         self.append(P.Fetch(P.FETCH, tensor._id, request))
@@ -165,12 +193,18 @@ class Session:
         future.get()
         self.raise_errors()
 
-    def raise_errors(self) -> None:
+    def raise_errors(self, error: Exception | None = None) -> None:
+        """Raises a fetch's own failure (``error``), or else the kernel errors reported since
+        the last wait. Either way the user has now been told: it is not raised again."""
+        if error is not None:
+            with contextlib.suppress(ValueError):
+                self.errors.remove(str(error))
+            raise error
         if self.errors:
             errors, self.errors = self.errors, []
-            first = errors[0]
-            more = f" ({len(errors) - 1} more kernel errors)" if len(errors) > 1 else ""
-            raise RuntimeError(f"{first}{more}")
+            n_more, self.more_errors = len(errors) - 1 + self.more_errors, 0
+            more = f" ({n_more} more kernel errors)" if n_more else ""
+            raise RuntimeError(f"{errors[0]}{more}")
 
     # -- receiving (receiver thread) ------------------------------------------------------------
     def _receive(self) -> None:
@@ -179,22 +213,36 @@ class Session:
         poller.register(self.controller.life_fd, zmq.POLLIN)
         while not self.closed:
             events = dict(poller.poll())
-            if self.controller.life_fd in events:  # the controller exited
-                if not self.closed:
-                    self._die(f"the controller process exited ({self.controller.describe_exit()})")
+            if self.results in events and not self._receive_ready(0):
                 return
-            if self.results in events:
-                try:
-                    frames = self.results.recv_multipart(copy=False)
-                except zmq.ZMQError:
+            if self.controller.life_fd in events:  # the controller exited
+                # its last words (a Fatal naming the cause) may still be on the way
+                if self.closed or not self._receive_ready(200):
                     return
+                self._die(f"the controller process exited ({self.controller.describe_exit()})")
+                return
+
+    def _receive_ready(self, timeout_ms: int) -> bool:
+        """Handles every message that arrives within ``timeout_ms``; False once closed."""
+        while self.results.poll(timeout_ms):
+            try:
+                frames = self.results.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return False
+            try:
                 self._handle(P.unpack(frames[0].buffer), frames[1:])
+            except Exception:  # noqa: BLE001 - a dead receiver would hang every wait
+                self._die("the client's receiver failed:\n" + traceback.format_exc())
+        return True
 
     def _handle(self, msg, data) -> None:
         tag = msg[0]
         if tag == P.VALUE:
             _, request, coord, shape, dtype = msg
-            future, spec, pieces = self.pending[request]
+            entry = self.pending.get(request)
+            if entry is None:  # another piece already failed the fetch
+                return
+            future, spec, pieces = entry
             pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
             if len(pieces) == piece_count(spec):
                 del self.pending[request]
@@ -210,8 +258,12 @@ class Session:
         elif tag == P.KERNEL_ERROR:
             _, site, op, message = msg
             text = self._describe(site, op, message)
+            self.failures.setdefault(site, text)
             if text not in self.errors:
-                self.errors.append(text)
+                if len(self.errors) < MAX_ERRORS:
+                    self.errors.append(text)
+                else:
+                    self.more_errors += 1
         elif tag == P.SYNCED:
             entry = self.pending.pop(msg[1], None)
             if entry:
@@ -219,18 +271,21 @@ class Session:
         elif tag == P.FATAL:
             self._die(msg[1])
 
-    def _describe(self, site: int, op: str, message: str) -> str:
+    def _describe(self, site: int, op: str | None, message: str | None) -> str:
         where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"
+        if op is None:  # poisoned by a peer's failure in a collective (see runtime/host.py)
+            return self.failures.get(site, f"an operator called at {where} failed on a device")
         return f"dtorch.{op} failed (called at {where}): {message}"
 
     def _die(self, message: str) -> None:
-        self.fatal = message
+        if self.fatal is None:  # the first cause is the one to report
+            self.fatal = message
         self._fail_all()
 
     def _fail_all(self) -> None:
         error = RuntimeError(f"dtorch runtime failed: {self.fatal}")
-        pending, self.pending = self.pending, {}
-        for future, _, _ in pending.values():
+        while self.pending:  # popitem is atomic: the user's thread may be adding a wait
+            _, (future, _, _) = self.pending.popitem()
             future._finish(error=error)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -240,16 +295,25 @@ class Session:
         try:
             if self.fatal is None:
                 self.flush()
-                self.ops.send(P.pack([P.SHUTDOWN]))
+                self._send(P.pack([P.SHUTDOWN]))
         except zmq.ZMQError:
             pass
         self.closed = True
+        # the cause that waits still pending will see (the hosts' deaths that follow are not)
+        self._die("dtorch.shutdown() was called")
         self._wake.set()
         self.controller.stop(timeout=config.shutdown_timeout_s)
         self.ops.close(0)
         self._receiver.join(timeout=1)
+        self._fail_all()  # no value still awaited can arrive now
         self.results.close(0)
         self.ctx.term()
+
+
+def _warm_meta_kernels() -> None:
+    import torch
+
+    torch.empty(1, device="meta") + 1.0
 
 
 def _bind(sock) -> str:

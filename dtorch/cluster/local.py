@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from .. import config
 
@@ -35,17 +36,35 @@ class Child:
             return f"{self.name} pid {self.pid} was killed by {signal.Signals(-code).name}"
         return f"{self.name} pid {self.pid} exited with status {code}"
 
-    def stop(self, timeout: float) -> None:
-        """Asks the child to exit (closes its parent pipe), then kills it after ``timeout``."""
+    def request_exit(self) -> None:
+        """Closes the child's parent pipe: it exits at once (see ``exit_with_parent``)."""
         if self._parent_fd is not None:
             os.close(self._parent_fd)
             self._parent_fd = None
+
+    def stop(self, timeout: float) -> None:
+        """Asks the child to exit, then kills it after ``timeout``."""
+        stop_all([self], timeout)
+
+    def _reap(self, timeout: float) -> None:
         try:
-            self.popen.wait(timeout)
+            self.popen.wait(max(timeout, 0))
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
-        os.close(self.life_fd)
+        if self.life_fd is not None:
+            os.close(self.life_fd)
+            self.life_fd = None
+
+
+def stop_all(children, timeout: float) -> None:
+    """Asks every child to exit at once, then kills those still running ``timeout`` seconds
+    later: one deadline for all, so stopping many hosts takes no longer than stopping one."""
+    for child in children:
+        child.request_exit()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child._reap(deadline - time.monotonic())
 
 
 # Children import their module under a stub ``dtorch`` package, skipping dtorch/__init__.py (the
@@ -58,14 +77,16 @@ _BOOT = (
 )
 
 
-def spawn(name: str, module: str, args) -> Child:
+def spawn(name: str, module: str, args, pass_fds=()) -> Child:
     parent_r, parent_w = os.pipe()  # the child watches parent_r
     life_r, life_w = os.pipe()  # the parent watches life_r
     popen = subprocess.Popen(
         [sys.executable, "-c", _BOOT.format(pkg=_PACKAGE_DIR, module=module),
          "--parent-fd", str(parent_r), "--life-fd", str(life_w), *map(str, args)],
-        pass_fds=(parent_r, life_w),
+        pass_fds=(parent_r, life_w, *pass_fds),
         stdin=subprocess.DEVNULL,
+        # the knobs children read at import follow this process's values (config.override)
+        env={**os.environ, "DTORCH_BIND_HOST": config.bind_host},
     )
     os.close(parent_r)
     os.close(life_w)
@@ -78,9 +99,11 @@ def exit_with_parent(parent_fd: int, on_exit=None) -> None:
     def watch():
         while os.read(parent_fd, 1):
             pass
-        if on_exit is not None:
-            on_exit()
-        os._exit(0)
+        try:
+            if on_exit is not None:
+                on_exit()
+        finally:
+            os._exit(0)
 
     threading.Thread(target=watch, name="dtorch-parent-watch", daemon=True).start()
 
@@ -99,7 +122,11 @@ def start_controller(ops_addr: str, results_addr: str) -> Child:
                  ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts])
 
 
-def start_host(index: int, device_type: str, controller_addr: str) -> Child:
-    return spawn(f"host {index}", "dtorch.runtime.host",
-                 ["--index", index, "--device-type", device_type, "--controller", controller_addr,
-                  "--cpu-hosts", config.cpu_hosts])
+def start_host(index: int, device_type: str, controller_addr: str, store_fd=None) -> Child:
+    """``store_fd``: a listening socket on which this host serves the rendezvous store."""
+    args = ["--index", index, "--device-type", device_type, "--controller", controller_addr,
+            "--cpu-hosts", config.cpu_hosts]
+    if store_fd is None:
+        return spawn(f"host {index}", "dtorch.runtime.host", args)
+    return spawn(f"host {index}", "dtorch.runtime.host", [*args, "--store-fd", store_fd],
+                 pass_fds=(store_fd,))

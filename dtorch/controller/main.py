@@ -10,6 +10,7 @@ its devices, so the controller's cost does not grow with the device count.
 from __future__ import annotations
 
 import argparse
+import select
 import socket
 import sys
 import time
@@ -21,6 +22,12 @@ from .. import config, protocol as P
 from ..cluster import local
 from .graph import LogicalGraph, Operator
 from .passes import PASSES, StreamState
+
+
+# A killed host's peers can see its sockets close (and report a failed collective) before its
+# life pipe closes: the kernel closes a dying process's files in fd order. A host's Fatal waits
+# this long for a death to blame first.
+DEATH_GRACE_S = 1.0
 
 
 class HostHandle:
@@ -52,7 +59,11 @@ class Controller:
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
         self.syncs: dict = {}  # token -> host indices yet to acknowledge
-        self.store_port = _free_port()
+        # the rendezvous store's listening socket, bound here (on bind_host, with no race for
+        # the port) and handed to the first host started, which serves the store on it
+        self.store_listener = _listen(config.bind_host)
+        self.store_port = self.store_listener.getsockname()[1]
+        self.store_host = None  # index of the host serving the store
         self.running = True
 
     # -- main loop ------------------------------------------------------------------------------
@@ -123,7 +134,12 @@ class Controller:
         for d in devices:
             index = local.host_index(device_type, d)
             if index not in self.hosts:
-                child = local.start_host(index, device_type, self.host_addr)
+                store_fd = None
+                if self.store_host is None:
+                    self.store_host, store_fd = index, self.store_listener.fileno()
+                child = local.start_host(index, device_type, self.host_addr, store_fd)
+                if store_fd is not None:  # the host holds it now
+                    self.store_listener.close()
                 host = self.hosts[index] = HostHandle(index, child)
                 host.backlog.append(P.pack(self.graph.definitions))
                 self.by_identity[host.identity] = host
@@ -135,8 +151,8 @@ class Controller:
         msg = P.unpack(frames[1].buffer)
         tag = msg[0]
         if tag == P.HOST_READY:
-            master = not any(h.ready for h in self.hosts.values())
             host.ready = True
+            master = host.index == self.store_host
             welcome = P.pack([P.Welcome(P.WELCOME, self.store_port, master)])
             self.host_sock.send_multipart([host.identity, welcome])
             for frame in host.backlog:
@@ -149,7 +165,14 @@ class Controller:
                 if not waiting:
                     self.ack_sync(msg[1])
         else:
+            if tag == P.FATAL:  # a host failing as a peer host dies: name the death first
+                self.report_dead_hosts(timeout=DEATH_GRACE_S)
             self.results.send_multipart(frames[1:], copy=False)
+
+    def report_dead_hosts(self, timeout: float) -> None:
+        dead, _, _ = select.select(list(self.life_fds), [], [], timeout)
+        for fd in dead:
+            self.on_host_exit(self.life_fds[fd])
 
     def ack_sync(self, token: int) -> None:
         del self.syncs[token]
@@ -167,16 +190,16 @@ class Controller:
         self.running = False
 
     def stop(self) -> None:
-        for host in self.hosts.values():
-            host.child.stop(timeout=config.shutdown_timeout_s)
+        local.stop_all([h.child for h in self.hosts.values()], config.shutdown_timeout_s)
         self.results.close(linger=2000)
         self.ctx.destroy(linger=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((config.bind_host, 0))
-        return s.getsockname()[1]
+def _listen(host: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen(128)
+    return s
 
 
 def main(argv=None) -> None:
@@ -199,6 +222,10 @@ def main(argv=None) -> None:
 
 
 def _stop_hosts(controller: Controller) -> None:
-    # the hosts also watch this process's pipe; killing them here only makes it faster
-    for host in controller.hosts.values():
-        host.child.popen.kill()
+    # The hosts also watch this process's pipe; killing them here only makes it faster, and
+    # waiting for them means that once this process is gone, so are they.
+    children = [h.child for h in list(controller.hosts.values())]
+    for child in children:
+        child.popen.kill()
+    for child in children:
+        child.popen.wait(config.shutdown_timeout_s)

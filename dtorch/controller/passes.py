@@ -26,11 +26,21 @@ def compute_stream(graph_id: int) -> int:
 # -- lower_redistribute ---------------------------------------------------------------------------
 
 
+def _is_definition(node) -> bool:
+    return isinstance(node, (list, tuple)) and node[0] <= P.DEFINE_CALL
+
+
 def lower_redistribute(graph, nodes: list) -> list:
     """Replaces each redistribute by its plan: one Operator per step (collectives and local
-    slicing), with controller-made temporaries released right after use."""
-    out = []
+    slicing), with controller-made temporaries released right after use.
+
+    The batch's definitions move to its front. The controller registers all of them before the
+    passes run, so a spec a plan passes through may already carry the id of a spec the client
+    defines later in the batch; the hosts must have it before the step that uses it."""
+    out = [node for node in nodes if _is_definition(node)]
     for node in nodes:
+        if _is_definition(node):
+            continue
         if not (isinstance(node, Operator) and node.call.op == "redistribute"):
             out.append(node)
             continue

@@ -8,6 +8,7 @@ import string
 
 import torch
 
+from .meta import probed
 from .registry import OpDef, register
 from .rules import einsum_rows, expand
 
@@ -31,4 +32,4 @@ def matmul_rule(call):
 
 for _name, _methods in (("matmul", ("matmul", "__matmul__")), ("mm", ("mm",)), ("bmm", ("bmm",))):
     register(OpDef(_name, f"{_name}(input: Tensor, other: Tensor)", getattr(torch, _name),
-                   matmul_rule, methods=_methods))
+                   matmul_rule, meta=probed(getattr(torch, _name)), methods=_methods))

@@ -59,10 +59,11 @@ def reduction_rule(call) -> Placed:
 def _mean(ctx, input, dim=None, keepdim=False, dtype=None):
     """Mean of the shard's contribution: local sum over the global count, so that the Partial sum
     over devices is the mean even for uneven shards (a plain local mean would weigh shards
-    equally). Unsharded, it is torch.mean itself, bit for bit."""
+    equally). Unsharded (or sharded over one device), it is torch.mean itself, bit for bit."""
     (spec,) = ctx.in_specs
     dims = reduced_dims(dim, len(spec.shape))
-    if not any(isinstance(p, Shard) and p.dim in dims for p in spec.placements):
+    if not any(isinstance(p, Shard) and p.dim in dims and n > 1
+               for p, n in zip(spec.placements, spec.mesh.shape)):
         return torch.mean(input, dim=dim, keepdim=keepdim, dtype=dtype)
     count = 1
     for d in dims:
@@ -77,11 +78,35 @@ register(OpDef("mean", "mean(input: Tensor, dim=None, keepdim=False, *, dtype=No
                meta=torch.mean))
 
 
-def _extremum(fn):
-    # torch.amax/amin spell "all dims" as dim=(), not None
-    return lambda input, dim=None, keepdim=False: fn(input, () if dim is None else dim, keepdim)
+def _lowest(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return False
+    return -float("inf") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
 
 
-for _name in ("amax", "amin"):
+def _highest(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return True
+    return float("inf") if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).max
+
+
+def _extremum(fn, identity):
+    """amax/amin of a block. An uneven shard may be empty along a reduced dim (torch refuses to
+    reduce that); its contribution to the Partial(max/min) is then the reduction's identity."""
+
+    def kernel(input, dim=None, keepdim=False):
+        dims = reduced_dims(dim, input.dim())
+        if any(input.shape[d] == 0 for d in dims):
+            shape = [1 if d in dims else n for d, n in enumerate(input.shape)]
+            out = torch.full(shape, identity(input.dtype), dtype=input.dtype, device=input.device)
+            return out if keepdim else out.squeeze(dims)
+        # torch.amax/amin spell "all dims" as dim=(), not None
+        return fn(input, () if dim is None else dim, keepdim)
+
+    return kernel
+
+
+for _name, _identity in (("amax", _lowest), ("amin", _highest)):
     register(OpDef(_name, f"{_name}(input: Tensor, dim=None, keepdim=False)",
-                   _extremum(getattr(torch, _name)), reduction_rule, methods=(_name,)))
+                   _extremum(getattr(torch, _name), _identity), reduction_rule,
+                   methods=(_name,)))

@@ -26,7 +26,7 @@ class OpDef:
     signature: str  # "add(input: Tensor, other: Tensor, *, alpha=1)"
     kernel: Callable  # kernel(*local_operands, **static) -> Tensor | tuple
     placement: Callable  # rule(call) -> Placed   (see ops/rules.py)
-    meta: Callable | None = None  # meta(call) -> [(shape, dtype)]; default runs kernel on meta tensors
+    meta: Callable | None = None  # like kernel, on meta tensors (default: the kernel itself)
     methods: tuple = ()  # Tensor method names ("add", "__add__")
     function: bool = True  # exported as dtorch.<name>
     flags: int = 0

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..placement import Partial, Replicate, Shard
+from ..placement import REDUCE_OPS, Partial, Replicate, Shard, placements_str
 
 R = Replicate()
 LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))  # f(sum x_i) = sum f(x_i) holds for both
+# copies and movements (clone, views, permutations, cat) never combine elements, so they commute
+# with every elementwise reduction, max and min included
+ALL_PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)
 
 
 class Call(NamedTuple):
@@ -84,13 +87,31 @@ def _auto_chunk(table, ins):
     return ins, None
 
 
+def operand_names(call: Call) -> list:
+    """The parameter name of each tensor operand (``tensors[1]`` inside a TensorList)."""
+    params = [p for p in call.op.params if p.kind != "static"]
+    listed = len(call.inputs) - (len(params) - 1)  # operands a TensorList parameter takes
+    names = []
+    for p in params:
+        names += [f"{p.name}[{i}]" for i in range(listed)] if p.kind == "tensors" else [p.name]
+    return [n for n, s in zip(names, call.inputs) if not isinstance(s, type)]
+
+
+def fix_cost(ins, row) -> tuple:
+    """How costly moving ``ins`` to ``row`` is, to suggest the cheapest fix: leaving a Shard or
+    Partial takes a collective, entering a Shard from Replicate is a local slice, and among
+    equals Replicate is the plainest target."""
+    changed = [(a, b) for a, b in zip(ins, row) if a != b]
+    return (sum(a != R for a, _ in changed), sum(b != R for _, b in changed), len(changed))
+
+
 def placement_error(call: Call, table, missing) -> ValueError:
-    names = [p.name for p in call.op.params if p.kind != "static"]
+    names = operand_names(call)
     specs = call.tensors
     fixes = [list(s.placements) for s in specs]
     lines = []
     for mesh_dim, ins in missing:
-        best = min(table, key=lambda row: sum(a != b for a, b in zip(ins, row)))
+        best = min(table, key=lambda row: fix_cost(ins, row))
         for k, p in enumerate(best):
             fixes[k][mesh_dim] = p
         got = ", ".join(f"{n}={p}" for n, p in zip(names, ins))
@@ -109,6 +130,27 @@ def placement_error(call: Call, table, missing) -> ValueError:
     )
 
 
+def inplace_error(call: Call, placed: Placed) -> ValueError:
+    """An in-place operator writes its input's blocks, so its result must keep the input's
+    placements; the fix is to bring the other operands to Replicate on the mesh dims that
+    would change (Shard + Replicate then chunks locally)."""
+    names, specs = operand_names(call), call.tensors
+    target = specs[0].placements
+    moved = (placed.pre[0] if placed.pre and placed.pre[0] else None) or target
+    dims = [i for i, (a, b, c) in enumerate(zip(target, moved, placed.outs[0])) if not a == b == c]
+    todo = []
+    for n, s in zip(names[1:], specs[1:]):
+        fix = [R if i in dims else p for i, p in enumerate(s.placements)]
+        if tuple(fix) != s.placements:
+            todo.append(f"{n} = {n}.redistribute(placements={fix!r})")
+    return ValueError(
+        f"dtorch.{call.op.name}: an in-place operator keeps its input's placements "
+        f"({placements_str(target)}), but with these operands the result would be "
+        f"{placements_str(placed.outs[0])}; redistribute the other operand first, e.g. "
+        f"{'; '.join(todo) or 'use the out-of-place form'}"
+    )
+
+
 # -- row builders ---------------------------------------------------------------------------------
 
 
@@ -116,11 +158,11 @@ def replicate_only(call: Call) -> Placed:
     return expand(call, [])
 
 
-def pointwise_rows(call: Call, *, linear=()):
+def pointwise_rows(call: Call, *, linear=(), partials=LINEAR_PARTIALS):
     """Elementwise ops with broadcasting: sharding an output dim shards the inputs' matching dims
-    (inputs that broadcast along it stay Replicate). ``linear`` says which Partials pass through:
-    "all" (additive: P + P = P), or the operand positions that may be Partial while the others
-    are Replicate (multiplicative: P * R = P)."""
+    (inputs that broadcast along it stay Replicate). ``linear`` says where ``partials`` pass
+    through: "all" (additive: P + P = P), or the operand positions that may be Partial while the
+    others are Replicate (multiplicative: P * R = P)."""
     out_shape = call.outs[0][0]
     specs = call.tensors
     rows = []
@@ -130,19 +172,22 @@ def pointwise_rows(call: Call, *, linear=()):
             di = d - (len(out_shape) - len(s.shape))
             ins.append(Shard(di) if di >= 0 and s.shape[di] == out_shape[d] else R)
         rows.append(((Shard(d),), tuple(ins)))
-    for p in LINEAR_PARTIALS:
+    # ``linear`` names operand positions (a Python scalar may hold one: 2 / P is not linear)
+    tensor_pos = [k for k, s in enumerate(call.inputs) if not isinstance(s, type)]
+    for p in partials:
         if linear == "all" and not call.has_scalar:
             rows.append(((p,), (p,) * len(specs)))
         elif linear != "all":
             for k in linear:
-                if k < len(specs):
-                    rows.append(((p,), tuple(p if j == k else R for j in range(len(specs)))))
+                if k in tensor_pos:
+                    rows.append(((p,), tuple(p if j == k else R for j in tensor_pos)))
     return rows
 
 
-def pointwise(linear=(), auto_chunk=False):
+def pointwise(linear=(), auto_chunk=False, partials=LINEAR_PARTIALS):
     def rule(call: Call) -> Placed:
-        return expand(call, pointwise_rows(call, linear=linear), auto_chunk=auto_chunk)
+        rows = pointwise_rows(call, linear=linear, partials=partials)
+        return expand(call, rows, auto_chunk=auto_chunk)
 
     return rule
 

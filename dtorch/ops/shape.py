@@ -5,7 +5,8 @@ only where the local reshape is the global one cut the same way: the sharded dim
 outermost non-unit dim of its group of merged/split dims, and, unless that group is a plain 1:1
 dim, its size and the output dim's size must be divisible by the number of shards (otherwise the
 local blocks would not be ``array_split`` chunks of the output). Anything else raises, naming the
-redistribute to add, instead of giving silently wrong values. All are linear, so Partials pass.
+redistribute to add, instead of giving silently wrong values. None of them combines elements, so
+every Partial passes (sum, avg, max and min alike).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from ..placement import Replicate, Shard
 from .registry import VIEW, OpDef, register
-from .rules import LINEAR_PARTIALS, Placed, expand, placement_error
+from .rules import ALL_PARTIALS, Placed, expand, placement_error
 
 R = Replicate()
 
@@ -82,7 +83,7 @@ def permute_rule(perm_of):
         (spec,) = call.tensors
         perm = perm_of(len(spec.shape), **call.static)
         rows = [((Shard(j),), (Shard(d),)) for j, d in enumerate(perm)]
-        rows += [((p,), (p,)) for p in LINEAR_PARTIALS]
+        rows += [((p,), (p,)) for p in ALL_PARTIALS]
         return expand(call, rows)
 
     return rule
@@ -110,7 +111,8 @@ SHAPE_ARGS = "input: Tensor, *shape"
 for _name in ("reshape", "view"):
     register(OpDef(_name, f"{_name}({SHAPE_ARGS})", _local_reshape(getattr(torch.Tensor, _name)),
                    reshape_rule, methods=(_name,), function=_name == "reshape", flags=VIEW,
-                   uses_context=True, meta=lambda input, shape, _m=_name: getattr(input, _m)(shape)))
+                   uses_context=True,
+                   meta=lambda input, shape, _m=_name: getattr(input, _m)(shape)))
 register(OpDef("flatten", "flatten(input: Tensor, start_dim=0, end_dim=-1)", torch.flatten,
                reshape_rule, methods=("flatten",), flags=VIEW))
 register(OpDef("unsqueeze", "unsqueeze(input: Tensor, dim)", torch.unsqueeze, reshape_rule,
@@ -129,7 +131,7 @@ register(OpDef("t", "t(input: Tensor)", torch.t,
 
 def cat_rule(call) -> Placed:
     """Inputs share a placement; a shard of a dim other than the joined one stays (stack inserts
-    a dim, shifting the ones after it). Joining is linear, so equal Partials pass."""
+    a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass."""
     specs = call.tensors
     ndim = len(specs[0].shape)
     dim = call.static.get("dim", 0)
@@ -140,7 +142,7 @@ def cat_rule(call) -> Placed:
         if stacking or d != dim:
             out = d + 1 if stacking and d >= dim else d
             rows.append(((Shard(out),), (Shard(d),) * len(specs)))
-    rows += [((p,), (p,) * len(specs)) for p in LINEAR_PARTIALS]
+    rows += [((p,), (p,) * len(specs)) for p in ALL_PARTIALS]
     return expand(call, rows)
 
 

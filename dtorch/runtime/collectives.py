@@ -8,6 +8,7 @@ and cut back after, since collectives need equal sizes on every rank.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch._C._distributed_c10d import (
@@ -65,7 +66,8 @@ def reduce_scatter(ctx, x, mesh_dim):
     opts = ReduceScatterOptions()
     opts.reduceOp = REDUCE[op]
     pg.reduce_scatter([out], [chunks], opts).wait()
-    return out.narrow(d, 0, sizes[rank]).contiguous()
+    out = out.narrow(d, 0, sizes[rank]).contiguous()
+    return out.div_(pg.size()) if op == "avg" else out  # gloo has no average: sum, then divide
 
 
 def all_to_all(ctx, x, mesh_dim):
@@ -101,12 +103,24 @@ def partition(ctx, x, mesh_dim):
     return x.clone()
 
 
+def _identity(op: str, dtype: torch.dtype):
+    """The value that leaves a reduction unchanged: what a device holds outside its chunk."""
+    if op == "sum":
+        return 0
+    if dtype.is_floating_point:
+        return -math.inf if op == "max" else math.inf
+    if dtype == torch.bool:  # max is "any", min is "all"
+        return op == "min"
+    return torch.iinfo(dtype).min if op == "max" else torch.iinfo(dtype).max
+
+
 def pad_partial(ctx, x, mesh_dim):
-    """S(d) -> P(sum): the chunk in its place, zeros around it (the sum is the whole)."""
+    """S(d) -> P(op) for sum, max, min: the chunk in its place, the identity of op around it
+    (the reduction over the devices is then the whole)."""
     d = ctx.in_specs[0].placements[mesh_dim].dim
-    full = ctx.out_local_shape[d]
-    out = x.new_zeros(ctx.out_local_shape)
-    offset, length = chunk_range(full, ctx.out_specs[0].mesh.shape[mesh_dim],
+    op = ctx.out_specs[0].placements[mesh_dim].reduce_op
+    out = torch.full(ctx.out_local_shape, _identity(op, x.dtype), dtype=x.dtype, device=x.device)
+    offset, length = chunk_range(ctx.out_local_shape[d], ctx.out_specs[0].mesh.shape[mesh_dim],
                                  ctx.out_coord[mesh_dim])
     out.narrow(d, offset, length).copy_(x)
     return out
@@ -140,7 +154,7 @@ def move(ctx, x, mesh_dim):
         ctx.device.group(members).broadcast([buf], opts).wait()
         if me in receivers:
             out = buf.clone() if me == root else buf
-    return out
+    return () if out is None else out  # a device only of the source mesh keeps no block
 
 
 def copy(ctx, x, mesh_dim):

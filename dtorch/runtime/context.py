@@ -12,6 +12,7 @@ import datetime
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+from .. import config
 from ..placement import Partial
 from ..spec import coordinate_of, group_devices
 
@@ -60,8 +61,9 @@ class Groups:
     runs its collectives in the same program order, so creation (a rendezvous through the
     TCPStore) meets up without deadlock."""
 
-    def __init__(self, device_index: int, torch_device: torch.device, connect_store):
-        self.index, self.torch_device = device_index, torch_device
+    def __init__(self, device_index: int, torch_device: torch.device, connect_store,
+                 prefix: str = "pg/"):
+        self.index, self.torch_device, self.prefix = device_index, torch_device, prefix
         self.connect_store, self.store = connect_store, None
         self.groups: dict = {}
 
@@ -74,13 +76,13 @@ class Groups:
     def _create(self, members: tuple):
         if self.store is None:
             self.store = self.connect_store()
-        store = PrefixStore("pg/" + "-".join(map(str, members)), self.store)
+        store = PrefixStore(self.prefix + "-".join(map(str, members)), self.store)
         rank, size = members.index(self.index), len(members)
         if self.torch_device.type == "cuda":
             from torch._C._distributed_c10d import ProcessGroupNCCL
 
             return ProcessGroupNCCL(store, rank, size, ProcessGroupNCCL.Options())
         opts = ProcessGroupGloo._Options()
-        opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=config.bind_host)]
         opts._timeout = GROUP_TIMEOUT
         return ProcessGroupGloo(store, rank, size, opts)

@@ -3,8 +3,15 @@
 Every host receives the same batches. The main thread lowers each record for the local devices
 it touches (SPMD lowering: each device's block follows from the global spec and its mesh
 coordinate) and queues kernels on the devices' streams; stream threads run them. Messages from
-stream threads (values, errors, sync acknowledgements) reach the controller through an inproc
-socket that the main thread forwards.
+stream threads (values, errors, sync acknowledgements) go through one FIFO that the main thread
+forwards to the controller, so they leave in the order they were made: a kernel error reported
+before a sync acknowledgement reaches the client first, and the sync raises it.
+
+A kernel whose input failed does not run: its outputs carry the first failure on (poisoned), and
+reading them raises it. Collectives are the exception, because their peers would wait for them
+forever: every member takes part, and the members agree on whether any member's input failed
+(``KernelRun._run_collective``), so a failure on one device poisons exactly the values that
+depend on it, on every device.
 
 Records are handled by a table from tag to handler (``Host.HANDLERS``).
 """
@@ -12,25 +19,28 @@ Records are handled by a table from tag to handler (``Host.HANDLERS``).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
+import sys
 import threading
+import time
+import traceback
 
 import torch
 import zmq
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, TCPStore
 
 from .. import config, protocol as P
 from ..cluster import local
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..ops.creation import CLIENT_ONLY
 from ..placement import decode_placement
-from ..spec import MeshInfo, coordinate_of, intern_spec
+from ..spec import MeshInfo, coordinate_of, group_devices, intern_spec
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Stream
 
-OUTBOX = "inproc://outbox"
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
@@ -42,16 +52,23 @@ class Device:
         self.streams: dict = {}
         self.blobs: dict = {}
         self._groups = Groups(index, self.torch_device, host.store)
+        # failure agreement runs on the CPU (reading a flag from a GPU would sync its stream)
+        self._cpu_groups = self._groups if device_type == "cpu" else Groups(
+            index, torch.device("cpu"), host.store, prefix="cpu-pg/")
 
     def stream(self, sid: int) -> Stream:
         s = self.streams.get(sid)
         if s is None:
             s = self.streams[sid] = Stream(f"dev{self.index}-stream{sid}", self.torch_device,
-                                           on_start=self.host.connect_outbox)
+                                           on_error=self.host.on_stream_error)
         return s
 
     def group(self, members: tuple):
         return self._groups.get(members)
+
+    def cpu_group(self, members: tuple):
+        """A gloo group of the same members, for small flags the CPU reads."""
+        return self._cpu_groups.get(members)
 
 
 class HostCall:
@@ -59,7 +76,7 @@ class HostCall:
     taking part (those of the result's mesh, plus the source mesh's for a move)."""
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
-                 "mask", "devices", "out_devices", "contexts")
+                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -75,7 +92,9 @@ class HostCall:
         self.in_specs = [host.specs[i] if i else None for i in inputs]
         self.out_specs = [host.specs[i] for i in outputs]
         self.mask = [bool(i) for i in inputs]
+        self.all_tensors = all(self.mask)
         self.inplace = bool(flags & P.INPLACE)
+        self.comm = bool(flags & P.COMM)  # a collective: its peers rely on it taking part
         meshes = [s.mesh for s in self.out_specs] + [s.mesh for s in self.in_specs if s]
         self.out_devices = host.local_devices(self.out_specs[0].mesh) if self.out_specs else []
         self.devices = list({d.index: d for m in meshes for d in host.local_devices(m)}.values())
@@ -99,8 +118,11 @@ class KernelRun:
         self.waits, self.site, self.host = waits, site, host
 
     def __call__(self) -> None:
-        for e in self.waits:
-            e.wait()
+        if self.waits:
+            for e in self.waits:
+                e.wait()
+        if self.call.comm:
+            return self._run_collective()
         args = []
         for x in self.inputs:
             if type(x) is Blob:
@@ -117,12 +139,50 @@ class KernelRun:
                 result = call.fn(*args, **call.kwargs)
         except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
             return self._fail((self.site, call.name, f"{type(e).__name__}: {e}"), report=True)
+        if config.debug >= 2:
+            print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
+                  f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
+        self._store(result)
+
+    def _store(self, result) -> None:
         outputs = self.outputs
         if len(outputs) == 1:
             outputs[0].tensor = result
         else:
             for blob, value in zip(outputs, result):
                 blob.tensor = value
+
+    def _run_collective(self) -> None:
+        """A collective never skips: its peers would wait for it forever. A member whose input
+        failed takes part with zeros. Alongside, the members all-reduce (MAX) the site of their
+        input's failure plus one (0: none), so all of them poison their outputs together; a
+        member that learns of a peer's failure only knows its site, and its outputs carry
+        ``(site, None, None)``, which the client reads as "poisoned by the failure there".
+        The flag travels on another of gloo's threads while the collective runs."""
+        call, ctx = self.call, self.ctx
+        error = first_failure(self.inputs)
+        flag = torch.tensor([0 if error is None else error[0] + 1], dtype=torch.int64)
+        peers = failure_peers(ctx, call)
+        agreed = None
+        if len(peers) > 1:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.MAX
+            agreed = ctx.device.cpu_group(peers).allreduce([flag], opts)
+        args = [stand_in(ctx, k, x) for k, x in enumerate(self.inputs)]
+        failure = result = None
+        try:
+            result = call.fn(ctx, *args, **call.kwargs)
+        except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
+            failure = (self.site, call.name, f"{type(e).__name__}: {e}")
+        if agreed is not None:
+            agreed.wait()
+        if error is not None:
+            return self._fail(error, report=False)
+        if failure is not None:
+            return self._fail(failure, report=True)
+        if int(flag):
+            return self._fail((int(flag) - 1, None, None), report=False)
+        self._store(result)
 
     def _fail(self, error, report: bool) -> None:
         for blob in self.outputs:
@@ -131,17 +191,44 @@ class KernelRun:
             self.host.send(P.KernelError(P.KERNEL_ERROR, *error))
 
 
+def first_failure(inputs):
+    return next((x.error for x in inputs if type(x) is Blob and x.error is not None), None)
+
+
+def stand_in(ctx, k: int, x):
+    """Operand ``k`` of a collective: the blob's tensor, or zeros of its block's shape when the
+    blob failed."""
+    if type(x) is not Blob:
+        return x
+    if x.error is None:
+        return x.tensor
+    spec = ctx.in_specs[k]
+    shape = spec.local_region(ctx.coord)[0]
+    return torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=ctx.device.torch_device)
+
+
+def failure_peers(ctx, call: HostCall) -> tuple:
+    """The devices that run one collective together: a move spans both meshes (every device of
+    either runs it); every other step runs along one mesh dim of one mesh."""
+    src, dst = call.in_specs[0], call.out_specs[0]
+    if src.mesh is not dst.mesh:
+        return tuple(sorted(set(src.mesh.devices) | set(dst.mesh.devices)))
+    return group_devices(src.mesh, call.kwargs["mesh_dim"], ctx.coord)
+
+
 class Host:
-    def __init__(self, index: int, device_type: str, controller_addr: str):
+    def __init__(self, index: int, device_type: str, controller_addr: str, store_fd: int):
         self.index, self.device_type = index, device_type
+        self.store_fd = store_fd  # listening socket of the store, on the host that serves it
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, str(index).encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.connect(controller_addr)
-        self.outbox = self.ctx.socket(zmq.PULL)
-        self.outbox.bind(OUTBOX)
-        self._thread_socks = threading.local()
+        # any thread queues messages here and rings the bell; the main thread sends them
+        self.outbox: collections.deque = collections.deque()
+        self._bell_r, self._bell_w = os.pipe()
+        os.set_blocking(self._bell_w, False)
         self.meshes: dict = {}
         self.specs: dict = {}
         self.calls: dict = {}
@@ -153,20 +240,30 @@ class Host:
         self.cuda = device_type == "cuda"
 
     # -- sockets --------------------------------------------------------------------------------
-    def connect_outbox(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.connect(OUTBOX)
-        self._thread_socks.sock = sock
-
     def send(self, msg, data=None) -> None:
-        """From a stream thread: queue a message for the controller."""
-        frames = [P.pack(msg)] if data is None else [P.pack(msg), data]
-        self._thread_socks.sock.send_multipart(frames, copy=False)
+        """From any thread: queue a message for the controller (they leave in this order)."""
+        self.outbox.append([P.pack(msg)] if data is None else [P.pack(msg), data])
+        try:
+            os.write(self._bell_w, b"\0")
+        except BlockingIOError:  # the pipe is full of rings: the main thread wakes anyway
+            pass
+
+    def forward_outbox(self) -> None:
+        os.read(self._bell_r, 65536)
+        outbox, sock = self.outbox, self.sock
+        while outbox:
+            sock.send_multipart(outbox.popleft(), copy=False)
+
+    def on_stream_error(self, stream_name: str) -> None:
+        """A stream item raised outside a kernel (a runtime bug): whoever waits on that stream
+        would hang, so the client is told the runtime failed (the controller forwards Fatal)."""
+        self.send(P.Fatal(P.FATAL, f"host {self.index} ({stream_name}) failed:\n"
+                                   + traceback.format_exc()))
 
     def store(self):
         """A new client of the rendezvous store. Each device needs its own: a client blocks
         while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
-        return TCPStore("127.0.0.1", self._store_port, None, False, STORE_TIMEOUT)
+        return TCPStore(config.bind_host, self._store_port, None, False, STORE_TIMEOUT)
 
     # -- devices --------------------------------------------------------------------------------
     def local_devices(self, mesh) -> list:
@@ -198,10 +295,14 @@ class Host:
     def on_kernel(self, rec) -> None:
         _, call_id, site, sid, waits, outs, operands = rec
         call = self.calls[call_id]
-        mask = call.mask
         for dev in call.devices:
             blobs = dev.blobs
-            inputs = [blobs.get(o) if m else o for o, m in zip(operands, mask)]
+            if call.all_tensors:
+                inputs = [blobs.get(o) for o in operands]
+            else:
+                inputs = [blobs.get(o) if m else o for o, m in zip(operands, call.mask)]
+            if None in inputs:
+                inputs = self.check_inputs(call, dev, inputs, operands, site)
             if call.inplace:
                 outputs = [inputs[0]]
             elif dev in call.out_devices:
@@ -212,13 +313,30 @@ class Host:
                     self.owners[o] = call.out_devices
             else:
                 outputs = []
-            events = []
-            for t in waits:
-                e = Event(self.cuda)
-                dev.stream(t).put(e.record)
-                events.append(e)
+            events = None
+            if waits:
+                events = []
+                for t in waits:
+                    e = Event(self.cuda)
+                    dev.stream(t).put(e.record)
+                    events.append(e)
             ctx = call.context(dev) if call.uses_context else None
             dev.stream(sid).put(KernelRun(call, ctx, inputs, outputs, events, site, self))
+
+    def check_inputs(self, call: HostCall, dev: Device, inputs, operands, site) -> list:
+        """A device of an input's mesh holds no blob for it: the tensor is not this runtime's
+        (it was made before a ``dtorch.shutdown()``). Poison the outputs rather than run the
+        kernel on ``None``. (A move's devices outside the source mesh hold no input, and need
+        none.)"""
+        out = list(inputs)
+        for k, (x, spec) in enumerate(zip(inputs, call.in_specs)):
+            if x is None and spec is not None and dev.index in spec.mesh.devices:
+                message = (f"operand {operands[k]} is not on this runtime (was it made before "
+                           "dtorch.shutdown()?)")
+                out[k] = b = Blob(spec)
+                b.error = (site, call.name, message)
+                self.send(P.KernelError(P.KERNEL_ERROR, *b.error))
+        return out
 
     def on_release(self, tensor_id: int) -> None:
         for dev in self.owners.pop(tensor_id, ()):
@@ -227,7 +345,9 @@ class Host:
     def on_fetch(self, rec) -> None:
         _, tensor_id, request, sid, waits = rec
         for dev in self.owners.get(tensor_id, ()):
-            blob = dev.blobs[tensor_id]
+            blob = dev.blobs.get(tensor_id)
+            if blob is None:  # not this runtime's tensor: check_inputs has said so already
+                continue
             coord = coordinate_of(blob.spec.mesh, dev.index)
             # one block per distinct piece: coordinate 0 on every Replicate mesh dim
             if any(c and p.is_replicate() for c, p in zip(coord, blob.spec.placements)):
@@ -247,7 +367,11 @@ class Host:
             site, op, message = blob.error
             self.send(P.FetchFailed(P.FETCH_FAILED, request, site, op, message))
             return
-        t = blob.tensor.detach().to("cpu", copy=True).contiguous()
+        try:
+            t = blob.tensor.detach().to("cpu", copy=True).contiguous()
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel that returned no tensor
+            self.send(P.FetchFailed(P.FETCH_FAILED, request, -1, "to_torch", repr(e)))
+            return
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         self.send(P.Value(P.VALUE, request, list(coord), list(t.shape), str(t.dtype)[6:]), data)
 
@@ -255,7 +379,7 @@ class Host:
         token = rec[1]
         streams = [s for dev in self.devices.values() for s in dev.streams.values()]
         if not streams:
-            self.sock.send(P.pack(P.Synced(P.SYNCED, token, self.index)))
+            self.send(P.Synced(P.SYNCED, token, self.index))
             return
         remaining = [len(streams)]
         lock = threading.Lock()
@@ -274,8 +398,8 @@ class Host:
         _, port, master = rec
         self._store_port = port
         if master:  # serve the store the process groups rendezvous through
-            self._store_master = TCPStore("127.0.0.1", port, None, True, STORE_TIMEOUT,
-                                          wait_for_workers=False)
+            self._store_master = TCPStore(config.bind_host, port, None, True, STORE_TIMEOUT,
+                                          wait_for_workers=False, master_listen_fd=self.store_fd)
 
     HANDLERS = {
         P.DEFINE_MESH: on_define_mesh,
@@ -292,18 +416,21 @@ class Host:
         self.sock.send(P.pack(P.HostReady(P.HOST_READY, self.index, os.getpid())))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.outbox, zmq.POLLIN)
+        poller.register(self._bell_r, zmq.POLLIN)
         handlers = self.HANDLERS
         while True:
             for sock, _ in poller.poll():
-                if sock is self.outbox:
-                    self.sock.send_multipart(self.outbox.recv_multipart(copy=False), copy=False)
+                if sock == self._bell_r:
+                    self.forward_outbox()
                     continue
                 for rec in P.unpack(self.sock.recv(copy=False).buffer):
                     if type(rec) is int:
                         self.on_release(rec)
                     else:
                         handlers[rec[0]](self, rec)
+                for dev in self.devices.values():
+                    for stream in dev.streams.values():
+                        stream.submit()
 
 
 def main(argv=None) -> None:
@@ -314,9 +441,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device-type", required=True)
     parser.add_argument("--controller", required=True)
     parser.add_argument("--cpu-hosts", type=int, required=True)
+    parser.add_argument("--store-fd", type=int, default=-1)
     args = parser.parse_args(argv)
     local.exit_with_parent(args.parent_fd)
     config.cpu_hosts = args.cpu_hosts
     if args.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
-    Host(args.index, args.device_type, args.controller).run()
+    Host(args.index, args.device_type, args.controller, args.store_fd).run()

@@ -45,29 +45,45 @@ class Event:
 
 
 class Stream:
-    def __init__(self, name: str, device: torch.device, on_start=None):
+    def __init__(self, name: str, device: torch.device, on_error):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: list = []
         self.device = device
-        self._on_start = on_start
+        self._on_error = on_error  # on_error(name), in the except block of an item that raised
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, item) -> None:
-        """Queues a callable; it runs after everything queued before it."""
-        self.queue.put(item)
+        """Queues a callable: it runs after everything queued before it, once ``submit`` has
+        handed the host's current batch to the thread."""
+        self.pending.append(item)
+
+    def submit(self) -> None:
+        # One hand-off per batch rather than per kernel: the stream thread then runs a whole
+        # list without waking the host's main thread, which would fight it for the GIL.
+        if self.pending:
+            self.queue.put(self.pending)
+            self.pending = []
 
     def _run(self) -> None:
-        if self._on_start is not None:
-            self._on_start()
-        get = self.queue.get
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                while (item := get()) is not None:
-                    item()
+                self._drain()
         else:
-            while (item := get()) is not None:
-                item()
+            self._drain()
+
+    def _drain(self) -> None:
+        get = self.queue.get
+        while (items := get()) is not None:
+            for item in items:
+                try:
+                    item()
+                except Exception:  # noqa: BLE001 - kernels catch their own errors, so this is
+                    # a runtime bug; the stream goes on, for a dead stream would hang its waiters
+                    self._on_error(self.thread.name)
+            # while it waits for more, the stream must not keep the last kernels' blobs alive
+            items = item = None
 
     def close(self) -> None:
         self.queue.put(None)

@@ -1,0 +1,216 @@
+"""Factories against torch: every one on every mesh, with dtype=, device_mesh= and placements=
+(Partial included: the value is the reduction of the blocks), and random factories equal to
+torch's draws for the same seeded torch.Generator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from dtorch.placement import placements_str
+from helpers import assert_close
+
+R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
+
+LAYOUTS = [
+    ("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh1", (P,)),
+    ("mesh2", (S0, S1)), ("mesh2", (P, S0)), ("mesh2", (S1, Partial("max"))),
+    ("mesh3", (S0, S0, S1)), ("mesh3", (R, P, S1)),
+]
+
+
+@pytest.fixture(scope="session")
+def one():
+    return dtorch.DeviceMesh("cpu", [0])
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda lay: f"{lay[0]}-{placements_str(lay[1])}")
+def layout(request):
+    name, placements = request.param
+    return request.getfixturevalue(name), list(placements)
+
+
+def where(layout) -> dict:
+    mesh, placements = layout
+    return {"device_mesh": mesh, "placements": placements}
+
+
+def seeded(seed: int = 7) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def laid_out(x, layout, shape, dtype) -> None:
+    mesh, placements = layout
+    assert x.device_mesh == mesh and x.placements == placements
+    assert tuple(x.shape) == shape and x.dtype == dtype
+
+
+# -- constant factories ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.int64, torch.bool], ids=str)
+def test_zeros_ones_full_empty(dtype, layout):
+    kw = where(layout)
+    for name in ("zeros", "ones"):
+        expected = getattr(torch, name)(5, 7, dtype=dtype)
+        for x in (getattr(dtorch, name)(5, 7, dtype=dtype, **kw),
+                  getattr(dtorch, name)((5, 7), dtype=dtype, **kw),
+                  getattr(dtorch, name)([5, 7], dtype=dtype, **kw),
+                  getattr(dtorch, name)(torch.Size([5, 7]), dtype=dtype, **kw)):
+            laid_out(x, layout, (5, 7), expected.dtype)
+            assert_close(x, expected, exact=True)
+    assert_close(dtorch.full((5, 7), 3, dtype=dtype, **kw), torch.full((5, 7), 3, dtype=dtype),
+                 exact=True)
+    e = dtorch.empty(5, 7, dtype=dtype, **kw)
+    laid_out(e, layout, (5, 7), torch.empty(0, dtype=dtype).dtype)
+    assert e.to_torch().shape == (5, 7)
+
+
+def test_full_infers_dtype_from_fill_value(mesh2):
+    kw = {"device_mesh": mesh2, "placements": [S0, S1]}
+    for fill in (2, 2.5, True):
+        assert_close(dtorch.full((3, 4), fill, **kw), torch.full((3, 4), fill), exact=True)
+
+
+def test_default_mesh_and_placements():
+    x = dtorch.zeros(2, 3)
+    assert x.device_mesh.devices == (0,) and x.placements == [R]
+    assert_close(x, torch.zeros(2, 3), exact=True)
+    assert_close(dtorch.ones(()), torch.ones(()), exact=True)  # 0-d
+
+
+def test_like_factories(layout):
+    mesh, placements = layout
+    t = torch.randn(5, 7, generator=seeded())
+    x = dtorch.from_torch(t, mesh, placements)
+    for name in ("zeros_like", "ones_like", "empty_like"):
+        y = getattr(dtorch, name)(x)
+        laid_out(y, layout, (5, 7), torch.float32)
+        if name != "empty_like":
+            assert_close(y, getattr(torch, name)(t), exact=True)
+    y = dtorch.full_like(x, 4, dtype=torch.int64)
+    laid_out(y, layout, (5, 7), torch.int64)
+    assert_close(y, torch.full_like(t, 4, dtype=torch.int64), exact=True)
+    z = dtorch.zeros_like(x, placements=[R] * mesh.ndim)
+    assert z.placements == [R] * mesh.ndim
+    assert_close(dtorch.ones_like(x, dtype=torch.bool), torch.ones_like(t, dtype=torch.bool))
+
+
+def test_like_on_another_mesh(mesh1, mesh2):
+    x = dtorch.ones(4, 3, device_mesh=mesh1, placements=[S0])
+    y = dtorch.zeros_like(x, device_mesh=mesh2)
+    assert y.device_mesh == mesh2 and y.placements == [R, R]
+    y = dtorch.ones_like(x, device_mesh=mesh2, placements=[S1, S0])
+    assert y.placements == [S1, S0]
+    assert_close(y, torch.ones(4, 3), exact=True)
+
+
+# -- ranges ---------------------------------------------------------------------------------------
+
+ARANGES = [((5,), {}), ((1, 10, 3), {}), ((0, 1, 0.1), {}), ((7,), {"dtype": torch.float64}),
+           ((-3, 3), {"dtype": torch.int32}), ((10, 0, -2), {})]
+
+
+@pytest.mark.parametrize("args,kwargs", ARANGES, ids=str)
+def test_arange(args, kwargs, mesh1, mesh3):
+    expected = torch.arange(*args, **kwargs)
+    for mesh, placements in ((mesh1, [S0]), (mesh1, [P]), (mesh3, [S0, S0, R])):
+        x = dtorch.arange(*args, **kwargs, device_mesh=mesh, placements=placements)
+        assert x.placements == placements
+        assert_close(x, expected, exact=True)
+
+
+# -- random ---------------------------------------------------------------------------------------
+
+RANDOM = {
+    "rand": (lambda lib, g, **kw: lib.rand(5, 7, generator=g, **kw)),
+    "randn": (lambda lib, g, **kw: lib.randn((5, 7), generator=g, **kw)),
+    "randn64": (lambda lib, g, **kw: lib.randn(5, 7, generator=g, dtype=torch.float64, **kw)),
+    "randint": (lambda lib, g, **kw: lib.randint(10, (5, 7), generator=g, **kw)),
+    "randint-kw": (lambda lib, g, **kw: lib.randint(10, size=(5, 7), generator=g, **kw)),
+    "randint-low": (lambda lib, g, **kw: lib.randint(-4, 4, (5, 7), generator=g, **kw)),
+    "randint-i32": (lambda lib, g, **kw: lib.randint(0, 9, (5, 7), generator=g,
+                                                     dtype=torch.int32, **kw)),
+}
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_equals_torch_for_a_generator(name, layout):
+    draw = RANDOM[name]
+    g, tg = seeded(), seeded()
+    x = draw(dtorch, g, **where(layout))
+    expected = draw(torch, tg)
+    laid_out(x, layout, (5, 7), expected.dtype)
+    assert_close(x, expected, exact=True)
+    # the generator advanced exactly as torch's did: the next draws match too
+    assert torch.equal(g.get_state(), tg.get_state())
+    assert_close(draw(dtorch, g, **where(layout)), draw(torch, tg), exact=True)
+
+
+def test_random_without_generator_is_seeded_and_layout_independent(mesh1, mesh2):
+    dtorch.manual_seed(3)
+    a = dtorch.rand(6, 5, device_mesh=mesh1, placements=[S0])
+    b = dtorch.randn(6, 5, device_mesh=mesh1, placements=[S1])
+    dtorch.manual_seed(3)
+    a2 = dtorch.rand(6, 5, device_mesh=mesh2, placements=[S1, S0])
+    b2 = dtorch.randn(6, 5, device_mesh=mesh2, placements=[P, R])
+    assert torch.equal(a.to_torch(), a2.to_torch())
+    torch.testing.assert_close(b.to_torch(), b2.to_torch())
+    assert not torch.equal(a.to_torch(), dtorch.rand(6, 5, device_mesh=mesh1).to_torch())
+
+
+# -- from torch data ------------------------------------------------------------------------------
+
+DATA = {
+    "float32": torch.randn(5, 7, generator=seeded()),
+    "float64": torch.randn(3, 5, 2, generator=seeded(), dtype=torch.float64),
+    "int64": torch.randint(-9, 9, (5, 7), generator=seeded()),
+    "bool": torch.randint(0, 2, (5, 7), generator=seeded()).bool(),
+    "bfloat16": torch.randn(5, 7, generator=seeded()).bfloat16(),
+    "half": torch.randn(5, 7, generator=seeded()).half(),
+    "non-contiguous": torch.randn(7, 5, generator=seeded()).t(),
+    "empty": torch.zeros(0, 7),
+}
+
+
+@pytest.mark.parametrize("name", DATA)
+def test_from_torch_reads_back(name, layout):
+    mesh, placements = layout
+    t = DATA[name]
+    x = dtorch.from_torch(t, device_mesh=mesh, placements=placements)
+    laid_out(x, layout, tuple(t.shape), t.dtype)
+    assert_close(x, t, exact=True)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "avg"])
+def test_from_torch_partial_reads_back(op, mesh1, mesh2):
+    t = DATA["float32"]
+    for mesh, placements in ((mesh1, [Partial(op)]), (mesh2, [Partial(op), S1]),
+                             (mesh2, [S0, Partial(op)])):
+        # avg reads back as (t + t + ...) / n: equal up to rounding
+        assert_close(dtorch.from_torch(t, mesh, placements), t, exact=op != "avg")
+
+
+def test_from_torch_scalars_and_tensor(mesh1):
+    assert_close(dtorch.from_torch(torch.tensor(2.5), mesh1, [P]), torch.tensor(2.5), exact=True)
+    for data, kw in (([[1, 2], [3, 4]], {}), ([1.5, 2.5], {"dtype": torch.float64}),
+                     ([True, False, True], {}), (3, {})):
+        expected = torch.tensor(data, **kw)
+        placements = [S0] if expected.dim() else [R]
+        x = dtorch.tensor(data, **kw, device_mesh=mesh1, placements=placements)
+        assert x.placements == placements
+        assert_close(x, expected, exact=True)
+
+
+def test_bad_placements_raise(mesh1, mesh2):
+    with pytest.raises(ValueError, match="one per mesh dim"):
+        dtorch.zeros(3, 4, device_mesh=mesh2, placements=[S0])
+    with pytest.raises(IndexError):
+        dtorch.zeros(3, 4, device_mesh=mesh1, placements=[Shard(2)])
+    with pytest.raises(TypeError):
+        dtorch.from_torch([1, 2], mesh1)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        dtorch.ones(3, device_mesh=[0, 1])
+    assert_close(dtorch.zeros(3, 4, device_mesh=mesh1, placements=[Shard(-1)]), torch.zeros(3, 4))
