@@ -11,6 +11,8 @@ dispatches it; host processes run torch kernels and torch.distributed collective
 tensor([6., 6., 6., 6.])
 """
 
+import sys
+
 import torch as _torch
 
 from . import config, ops  # noqa: F401  (ops registers every operator)
@@ -40,8 +42,9 @@ for _name, _value in vars(_torch).items():
     if isinstance(_value, _torch.dtype):
         globals()[_name] = _value
 
-_frontend.install(globals_module := __import__(__name__), Tensor)
-del globals_module
+from . import nn  # noqa: E402
+
+_frontend.install(sys.modules[__name__], nn.functional, Tensor)
 
 
 def sync() -> None:

@@ -51,11 +51,14 @@ def generate(op):
     return fn
 
 
-def install(module, tensor_cls) -> None:
-    """Adds every registered operator to ``module`` (as a function) and ``tensor_cls``."""
+def install(module, functional, tensor_cls) -> None:
+    """Adds every registered operator to ``module`` (``dtorch``), ``functional``
+    (``dtorch.nn.functional``) and ``tensor_cls`` as its entry asks."""
     for op in REGISTRY.values():
         fn = generate(op)
         if op.function:
             setattr(module, op.name, fn)
+        if op.functional:
+            setattr(functional, op.name, fn)
         for method in op.methods:
             setattr(tensor_cls, method, fn)

@@ -29,6 +29,7 @@ class OpDef:
     meta: Callable | None = None  # like kernel, on meta tensors (default: the kernel itself)
     methods: tuple = ()  # Tensor method names ("add", "__add__")
     function: bool = True  # exported as dtorch.<name>
+    functional: bool = False  # exported as dtorch.nn.functional.<name> too
     flags: int = 0
     uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
     doc: str = ""

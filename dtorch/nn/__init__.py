@@ -1,0 +1,3 @@
+"""dtorch.nn: neural-network building blocks on distributed tensors."""
+
+from . import functional  # noqa: F401
