@@ -1,9 +1,12 @@
 """The whole wire vocabulary between client, controller and hosts, in one place.
 
 Every message is a tuple whose first field is its tag; batches are msgpack lists of records, sent
-as one frame. Nothing is ever pickled. The hot records stay small: an operator is
-``(OP, call_id, site, out_ids, operands)`` where ``operands`` holds tensor ids and Python scalars
-(which are which is fixed by the call template), and a release is a bare int (the tensor id).
+as one frame. Nothing is ever pickled. The hot records stay small and flat: an operator is
+``(OP, call_id, site, stream, *out_ids, *operands)`` where operands are tensor ids and Python
+scalars (how many of each, and which is which, is fixed by the call template), and a release is a
+bare int (the tensor id). The controller turns an OP record into the hosts' KERNEL record in
+place: it sets the tag and the stream, and puts a WAIT record before it when it must wait for
+other streams.
 
 Client -> controller (a batch of records):
     DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
@@ -27,7 +30,7 @@ COMM = 8  # runs on the communication stream
 
 # tags
 DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
-KERNEL = 8
+KERNEL, WAIT = 8, 9
 VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
 
 
@@ -60,12 +63,11 @@ class DefineCall(NamedTuple):
     flags: int  # INPLACE, VIEW, IMPURE, COMM (above)
 
 
-class Op(NamedTuple):
-    tag: int
-    call: int
-    site: int  # client-side index of the user's file:line, echoed back in errors
-    outs: list
-    operands: list
+# Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
+# Kernel: (KERNEL, call, site, stream, *outs, *operands) controller -> hosts
+#         ``site`` indexes the client's table of the user's file:line, echoed back in errors.
+# Wait:   (WAIT, *streams)  the next Kernel first waits for the work queued so far on these
+#         streams (the host records an Event on each).
 
 
 class Fetch(NamedTuple):
@@ -82,19 +84,6 @@ class Sync(NamedTuple):
 class SetGraph(NamedTuple):
     tag: int
     graph: int
-
-
-class Kernel(NamedTuple):
-    """An Op or a redistribute step, placed on a stream; ``waits`` lists other streams whose
-    work queued so far must finish first (the host records an event on each)."""
-
-    tag: int
-    call: int
-    site: int
-    stream: int
-    waits: list
-    outs: list
-    operands: list
 
 
 class HostFetch(NamedTuple):

@@ -65,14 +65,14 @@ def issue(s, b: Bound, operands, site: int):
     vals = [o._id if m else o for o, m in zip(operands, b.mask)]
     if b.inplace:
         target = operands[0]
-        s.append((P.OP, b.call_id, site, [target._id], vals))
+        s.append((P.OP, b.call_id, site, 0, target._id, *vals))
         return target
     ids = s.ids
     if b.single:
         t = _new(Tensor)
         t._id = i = next(ids)
         t._spec = b.outs[0]
-        s.append((P.OP, b.call_id, site, [i], vals))
+        s.append((P.OP, b.call_id, site, 0, i, *vals))
         return issue(s, b.post[0], (t,), site) if b.post else t
     outs = []
     for spec in b.outs:
@@ -80,7 +80,7 @@ def issue(s, b: Bound, operands, site: int):
         t._id = next(ids)
         t._spec = spec
         outs.append(t)
-    s.append((P.OP, b.call_id, site, [t._id for t in outs], vals))
+    s.append((P.OP, b.call_id, site, 0, *[t._id for t in outs], *vals))
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)

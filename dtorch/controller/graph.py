@@ -23,20 +23,44 @@ class CallInfo(NamedTuple):
     outputs: tuple
     static: bytes
     flags: int
+    reads: tuple  # positions of the tensor operands among the operands
+
+    @classmethod
+    def from_record(cls, rec) -> CallInfo:
+        _, i, op, inputs, outputs, static, flags = rec
+        reads = tuple(k for k, s in enumerate(inputs) if s)
+        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads)
 
 
 class Operator:
-    """A node of the incremental subgraph."""
+    """A node of the incremental subgraph. ``rec`` is its wire record,
+    ``[OP, call, site, stream, *outs, *operands]``, which becomes the hosts' KERNEL record in
+    place (see protocol.py); ``outs`` and ``inputs`` (the tensor operands) are read off it once."""
 
-    __slots__ = ("call", "site", "outs", "operands", "stream", "waits")
+    __slots__ = ("call", "rec", "outs", "inputs", "waits")
 
-    def __init__(self, call: CallInfo, site: int, outs, operands):
-        self.call, self.site, self.outs, self.operands = call, site, outs, operands
-        self.stream, self.waits = 0, []
+    def __init__(self, call: CallInfo, rec: list):
+        self.call, self.rec = call, rec
+        n = 4 + len(call.outputs)
+        self.outs = rec[4:n]
+        self.inputs = [rec[n + k] for k in call.reads]
+        self.waits = None  # streams to wait for, set by assign_streams
 
-    def inputs(self):
-        """The operand ids this operator reads."""
-        return [o for o, s in zip(self.operands, self.call.inputs) if s]
+    @classmethod
+    def make(cls, call: CallInfo, site: int, outs, operands) -> Operator:
+        return cls(call, [0, call.id, site, 0, *outs, *operands])
+
+    @property
+    def operands(self) -> list:
+        return self.rec[4 + len(self.call.outputs):]
+
+    @property
+    def site(self) -> int:
+        return self.rec[2]
+
+    @property
+    def stream(self) -> int:
+        return self.rec[3]
 
     def __repr__(self) -> str:
         return f"{self.call.op}{tuple(self.operands)}->{self.outs}@{self.stream}"
@@ -66,8 +90,7 @@ class LogicalGraph:
             self.specs[i] = spec
             self.spec_ids.setdefault(spec, i)
         elif tag == P.DEFINE_CALL:
-            self.calls[rec[1]] = CallInfo(rec[1], rec[2], tuple(rec[3]), tuple(rec[4]), rec[5],
-                                          rec[6])
+            self.calls[rec[1]] = CallInfo.from_record(rec)
         self.definitions.append(rec)
 
     def spec_id(self, spec, out: list) -> int:

@@ -85,7 +85,7 @@ class Controller:
             if type(rec) is int:
                 nodes.append(rec)
             elif rec[0] == P.OP:
-                nodes.append(Operator(calls[rec[1]], rec[2], rec[3], rec[4]))
+                nodes.append(Operator(calls[rec[1]], rec))
             elif rec[0] <= P.DEFINE_CALL:
                 self.graph.define(rec)
                 if rec[0] == P.DEFINE_MESH:
@@ -102,7 +102,7 @@ class Controller:
         n_in = len(nodes)
         for run_pass in PASSES:
             nodes = run_pass(self.graph, nodes)
-        self.send_to_hosts([self.encode(n) for n in nodes])
+        self.send_to_hosts(self.encode(nodes))
         for token, waiting in list(self.syncs.items()):
             if not waiting:
                 self.ack_sync(token)
@@ -113,11 +113,17 @@ class Controller:
                   file=sys.stderr)
 
     @staticmethod
-    def encode(node):
-        if isinstance(node, Operator):
-            return (P.KERNEL, node.call.id, node.site, node.stream, node.waits, node.outs,
-                    node.operands)
-        return node
+    def encode(nodes: list) -> list:
+        """Host records: an Operator's record becomes a KERNEL record in place."""
+        out = []
+        for node in nodes:
+            if isinstance(node, Operator):
+                if node.waits:
+                    out.append([P.WAIT, *node.waits])
+                node.rec[0] = P.KERNEL
+                node = node.rec
+            out.append(node)
+        return out
 
     def send_to_hosts(self, records: list) -> None:
         if not records:

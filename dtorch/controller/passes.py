@@ -56,12 +56,12 @@ def lower_redistribute(graph, nodes: list) -> list:
                 msgpack.packb((mesh_dim,)), COMM if kind in COMM_STEPS or kind == "move" else 0,
                 out,
             )
-            out.append(Operator(call, node.site, [target], [current]))
+            out.append(Operator.make(call, node.site, [target], [current]))
             if k:  # the previous temporary is no longer needed
                 out.append(current)
             current, current_spec = target, spec
         if not steps:  # same value, same layout (e.g. R on a mesh that is moved onto itself)
-            out.append(Operator(graph.step_call("copy", graph.spec_id(src, out),
+            out.append(Operator.make(graph.step_call("copy", graph.spec_id(src, out),
                                                 graph.spec_id(dst, out), msgpack.packb((0,)), 0,
                                                 out), node.site, node.outs, node.operands))
     return out
@@ -113,7 +113,7 @@ def eliminate_dead_code(graph, nodes: list) -> list:
                 keep[k] = False
                 dead_releases.update(node.outs)
                 continue
-            for i in node.inputs():
+            for i in node.inputs:
                 unread_released.discard(i)
         elif node[0] == P.FETCH:
             unread_released.discard(node[1])
@@ -150,8 +150,8 @@ def assign_streams(graph, nodes: list) -> list:
     for node in nodes:
         if isinstance(node, Operator):
             s = COMM_STREAM if node.call.flags & COMM else compute_stream(graph.graph)
-            node.stream = s
-            for i in node.inputs():
+            node.rec[3] = s
+            for i in node.inputs:
                 _wait_for(st, node, out, st.ready.get(i))
                 if s == COMM_STREAM:
                     st.comm_reads[st.root.get(i, i)] = st.position.get(s, 0) + 1
@@ -192,6 +192,8 @@ def _wait_for(st: StreamState, node: Operator, out: list, produced) -> None:
         return
     # the host records an event on t after everything queued there so far, and s waits for it
     covered[t] = st.position.get(t, 0)
+    if node.waits is None:
+        node.waits = []
     node.waits.append(t)
 
 

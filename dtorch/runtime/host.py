@@ -76,7 +76,7 @@ class HostCall:
     taking part (those of the result's mesh, plus the source mesh's for a move)."""
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
-                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm")
+                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -91,6 +91,7 @@ class HostCall:
         self.name, self.kwargs = name, kwargs
         self.in_specs = [host.specs[i] if i else None for i in inputs]
         self.out_specs = [host.specs[i] for i in outputs]
+        self.n_out = len(outputs)
         self.mask = [bool(i) for i in inputs]
         self.all_tensors = all(self.mask)
         self.inplace = bool(flags & P.INPLACE)
@@ -218,6 +219,7 @@ def failure_peers(ctx, call: HostCall) -> tuple:
 
 class Host:
     def __init__(self, index: int, device_type: str, controller_addr: str, store_fd: int):
+        self.waits = None  # streams the next kernel waits for (a WAIT record)
         self.index, self.device_type = index, device_type
         self.store_fd = store_fd  # listening socket of the store, on the host that serves it
         self.ctx = zmq.Context()
@@ -292,9 +294,14 @@ class Host:
     def on_define_call(self, rec) -> None:
         self.calls[rec[1]] = HostCall(self, rec)
 
+    def on_wait(self, rec) -> None:
+        self.waits = rec[1:]  # for the next kernel
+
     def on_kernel(self, rec) -> None:
-        _, call_id, site, sid, waits, outs, operands = rec
-        call = self.calls[call_id]
+        call = self.calls[rec[1]]
+        site, sid, n = rec[2], rec[3], 4 + call.n_out
+        outs, operands = rec[4:n], rec[n:]
+        waits, self.waits = self.waits, None
         for dev in call.devices:
             blobs = dev.blobs
             if call.all_tensors:
@@ -406,6 +413,7 @@ class Host:
         P.DEFINE_SPEC: on_define_spec,
         P.DEFINE_CALL: on_define_call,
         P.KERNEL: on_kernel,
+        P.WAIT: on_wait,
         P.FETCH: on_fetch,
         P.SYNC: on_sync,
         P.WELCOME: on_welcome,
