@@ -32,6 +32,7 @@ COMM = 8  # runs on the communication stream
 DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
 KERNEL, WAIT = 8, 9
 VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
+CHAIN = 17
 
 
 class DefineMesh(NamedTuple):
@@ -66,6 +67,8 @@ class DefineCall(NamedTuple):
 # Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
 # Kernel: (KERNEL, call, site, stream, *outs, *operands) controller -> hosts
 #         ``site`` indexes the client's table of the user's file:line, echoed back in errors.
+# Chain:  (CHAIN, kernel, kernel, ...) kernels each reading the previous one's only result, which
+#         gets no blob: one host task runs them all (see controller/passes.fuse_chains).
 # Wait:   (WAIT, *streams)  the next Kernel first waits for the work queued so far on these
 #         streams (the host records an Event on each).
 

@@ -21,7 +21,7 @@ import zmq
 from .. import config, protocol as P
 from ..cluster import local
 from .graph import LogicalGraph, Operator
-from .passes import PASSES, StreamState
+from .passes import PASSES, Chain, StreamState
 
 
 # A killed host's peers can see its sockets close (and report a failed collective) before its
@@ -122,6 +122,13 @@ class Controller:
                     out.append([P.WAIT, *node.waits])
                 node.rec[0] = P.KERNEL
                 node = node.rec
+            elif isinstance(node, Chain):
+                first = node.members[0]
+                if first.waits:
+                    out.append([P.WAIT, *first.waits])
+                for m in node.members:
+                    m.rec[0] = P.KERNEL
+                node = [P.CHAIN, *(m.rec for m in node.members)]
             out.append(node)
         return out
 

@@ -197,4 +197,73 @@ def _wait_for(st: StreamState, node: Operator, out: list, produced) -> None:
     node.waits.append(t)
 
 
-PASSES = (lower_redistribute, eliminate_dead_code, assign_streams)
+# -- fuse_chains ----------------------------------------------------------------------------------
+
+
+class Chain:
+    """Operators each reading the previous one's only result, sent as one CHAIN record: a host
+    runs them as one task and makes no blob for the results in between."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: list):
+        self.members = members
+
+
+def fuse_chains(graph, nodes: list) -> list:
+    """Merges producer -> consumer chains on one stream: an operator joins the chain when it
+    reads the chain's last result, which nothing else in the batch reads and which the batch
+    releases. Saves the hosts a blob, a table entry, a task and a release per link (the kernels
+    themselves still run one by one). Releases met inside a chain are held until after it, since
+    its kernels may still read those tensors."""
+    reads, released = {}, set()
+    for node in nodes:
+        if isinstance(node, Operator):
+            for i in node.inputs:
+                reads[i] = reads.get(i, 0) + 1
+        elif type(node) is int:
+            released.add(node)
+        elif node[0] == P.FETCH:
+            reads[node[1]] = reads.get(node[1], 0) + 2  # never an internal link
+    out, chain, held, links = [], [], [], set()
+
+    def close():
+        if chain:
+            out.append(Chain(list(chain)) if len(chain) > 1 else chain[0])
+            chain.clear()
+        out.extend(held)
+        held.clear()
+        links.clear()
+
+    for node in nodes:
+        if isinstance(node, Operator):
+            if chain and _links(graph, chain[-1], node, reads, released):
+                links.add(chain[-1].outs[0])
+                chain.append(node)
+                continue
+            close()
+            chain.append(node)
+        elif type(node) is int and chain:
+            if node not in links:  # internal links' releases are dropped: they have no blob
+                held.append(node)
+        else:
+            close()
+            out.append(node)
+    close()
+    return out
+
+
+def _fusable(node: Operator) -> bool:
+    return not node.call.flags & (COMM | INPLACE | IMPURE) and len(node.call.outputs) == 1
+
+
+def _links(graph, a: Operator, b: Operator, reads, released) -> bool:
+    link = a.outs[0]
+    return (
+        _fusable(a) and _fusable(b) and not b.waits and b.stream == a.stream
+        and link in released and reads.get(link, 0) == b.inputs.count(link) > 0
+        and graph.specs[a.call.outputs[0]].mesh is graph.specs[b.call.outputs[0]].mesh
+    )
+
+
+PASSES = (lower_redistribute, eliminate_dead_code, assign_streams, fuse_chains)

@@ -109,40 +109,45 @@ class HostCall:
         return ctx
 
 
+PREV = object()  # a chain step's operand that is the previous step's result
+
+
 class KernelRun:
-    """One kernel on one device, queued on a stream."""
+    """One kernel on one device, queued on a stream; or a chain of kernels each feeding the next
+    (``passes.fuse_chains``), of which only the last step's results become blobs.
+    A step is (HostCall, KernelContext or None, operands: Blob / PREV / scalar, site)."""
 
-    __slots__ = ("call", "ctx", "inputs", "outputs", "waits", "site", "host")
+    __slots__ = ("steps", "outputs", "waits", "host")
 
-    def __init__(self, call, ctx, inputs, outputs, waits, site, host):
-        self.call, self.ctx, self.inputs, self.outputs = call, ctx, inputs, outputs
-        self.waits, self.site, self.host = waits, site, host
+    def __init__(self, steps, outputs, waits, host):
+        self.steps, self.outputs, self.waits, self.host = steps, outputs, waits, host
 
     def __call__(self) -> None:
         if self.waits:
             for e in self.waits:
                 e.wait()
-        if self.call.comm:
+        if self.steps[0][0].comm:
             return self._run_collective()
-        args = []
-        for x in self.inputs:
-            if type(x) is Blob:
-                if x.error is not None:  # poisoned: pass the first failure on, quietly
-                    return self._fail(x.error, report=False)
-                args.append(x.tensor)
-            else:
-                args.append(x)
-        call = self.call
-        try:
-            if call.uses_context:
-                result = call.fn(self.ctx, *args, **call.kwargs)
-            else:
-                result = call.fn(*args, **call.kwargs)
-        except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-            return self._fail((self.site, call.name, f"{type(e).__name__}: {e}"), report=True)
-        if config.debug >= 2:
-            print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
-                  f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
+        result = None
+        for call, ctx, inputs, site in self.steps:
+            args = []
+            for x in inputs:
+                if type(x) is Blob:
+                    if x.error is not None:  # poisoned: pass the first failure on, quietly
+                        return self._fail(x.error, report=False)
+                    args.append(x.tensor)
+                else:
+                    args.append(result if x is PREV else x)
+            try:
+                if ctx is not None:
+                    result = call.fn(ctx, *args, **call.kwargs)
+                else:
+                    result = call.fn(*args, **call.kwargs)
+            except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
+                return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
+            if config.debug >= 2:
+                print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
+                      f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
         self._store(result)
 
     def _store(self, result) -> None:
@@ -160,8 +165,8 @@ class KernelRun:
         member that learns of a peer's failure only knows its site, and its outputs carry
         ``(site, None, None)``, which the client reads as "poisoned by the failure there".
         The flag travels on another of gloo's threads while the collective runs."""
-        call, ctx = self.call, self.ctx
-        error = first_failure(self.inputs)
+        call, ctx, inputs, site = self.steps[0]
+        error = first_failure(inputs)
         flag = torch.tensor([0 if error is None else error[0] + 1], dtype=torch.int64)
         peers = failure_peers(ctx, call)
         agreed = None
@@ -169,12 +174,12 @@ class KernelRun:
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.MAX
             agreed = ctx.device.cpu_group(peers).allreduce([flag], opts)
-        args = [stand_in(ctx, k, x) for k, x in enumerate(self.inputs)]
+        args = [stand_in(ctx, k, x) for k, x in enumerate(inputs)]
         failure = result = None
         try:
             result = call.fn(ctx, *args, **call.kwargs)
         except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-            failure = (self.site, call.name, f"{type(e).__name__}: {e}")
+            failure = (site, call.name, f"{type(e).__name__}: {e}")
         if agreed is not None:
             agreed.wait()
         if error is not None:
@@ -298,24 +303,27 @@ class Host:
         self.waits = rec[1:]  # for the next kernel
 
     def on_kernel(self, rec) -> None:
-        call = self.calls[rec[1]]
-        site, sid, n = rec[2], rec[3], 4 + call.n_out
-        outs, operands = rec[4:n], rec[n:]
+        self.on_chain((P.CHAIN, rec))
+
+    def on_chain(self, rec) -> None:
+        """A kernel, or a chain of kernels each reading the one before (only the last one's
+        results become blobs), queued for every local device of the last kernel's mesh."""
+        members = [(self.calls[m[1]], m) for m in rec[1:]]
+        call, last = members[-1]
+        outs = last[4:4 + call.n_out]
         waits, self.waits = self.waits, None
         for dev in call.devices:
-            blobs = dev.blobs
-            if call.all_tensors:
-                inputs = [blobs.get(o) for o in operands]
-            else:
-                inputs = [blobs.get(o) if m else o for o, m in zip(operands, call.mask)]
-            if None in inputs:
-                inputs = self.check_inputs(call, dev, inputs, operands, site)
+            steps, prev = [], None
+            for c, m in members:
+                steps.append((c, c.context(dev) if c.uses_context else None,
+                              self.operands(c, dev, m, prev), m[2]))
+                prev = m[4]
             if call.inplace:
-                outputs = [inputs[0]]
+                outputs = [steps[-1][2][0]]
             elif dev in call.out_devices:
                 outputs = []
                 for o, spec in zip(outs, call.out_specs):
-                    blobs[o] = b = Blob(spec)
+                    dev.blobs[o] = b = Blob(spec)
                     outputs.append(b)
                     self.owners[o] = call.out_devices
             else:
@@ -327,8 +335,20 @@ class Host:
                     e = Event(self.cuda)
                     dev.stream(t).put(e.record)
                     events.append(e)
-            ctx = call.context(dev) if call.uses_context else None
-            dev.stream(sid).put(KernelRun(call, ctx, inputs, outputs, events, site, self))
+            dev.stream(last[3]).put(KernelRun(steps, outputs, events, self))
+
+    def operands(self, call: HostCall, dev: Device, rec, prev) -> list:
+        """A kernel's operands on ``dev``: Blobs for tensors (PREV for the chain's previous
+        result, whose id ``prev`` has no blob), values for scalars."""
+        operands, blobs = rec[4 + call.n_out:], dev.blobs
+        if call.all_tensors:
+            inputs = [PREV if o == prev else blobs.get(o) for o in operands]
+        else:
+            inputs = [(PREV if o == prev else blobs.get(o)) if m else o
+                      for o, m in zip(operands, call.mask)]
+        if None in inputs:
+            inputs = self.check_inputs(call, dev, inputs, operands, rec[2])
+        return inputs
 
     def check_inputs(self, call: HostCall, dev: Device, inputs, operands, site) -> list:
         """A device of an input's mesh holds no blob for it: the tensor is not this runtime's
@@ -375,7 +395,7 @@ class Host:
             self.send(P.FetchFailed(P.FETCH_FAILED, request, site, op, message))
             return
         try:
-            t = blob.tensor.detach().to("cpu", copy=True).contiguous()
+            t = blob.tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
         except Exception as e:  # noqa: BLE001 - e.g. a kernel that returned no tensor
             self.send(P.FetchFailed(P.FETCH_FAILED, request, -1, "to_torch", repr(e)))
             return
@@ -413,6 +433,7 @@ class Host:
         P.DEFINE_SPEC: on_define_spec,
         P.DEFINE_CALL: on_define_call,
         P.KERNEL: on_kernel,
+        P.CHAIN: on_chain,
         P.WAIT: on_wait,
         P.FETCH: on_fetch,
         P.SYNC: on_sync,
