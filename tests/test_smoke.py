@@ -24,3 +24,19 @@ def test_issue_example(mesh2):
     assert z.placements == [dtorch.Replicate(), dtorch.Replicate()]
     assert_close(z, (xt @ wt).relu() + 1.0)
     assert_close(y.sum().to_torch_async().get(), ((xt @ wt).relu() + 1.0).sum())
+
+
+def test_thousands_of_small_batches_lose_nothing():
+    """More frames than a socket's default queue limit, sent while the host is busy: a ROUTER
+    socket would drop them silently unless told not to."""
+    from dtorch.client import session
+
+    mesh = dtorch.DeviceMesh("cpu", [0])
+    x = dtorch.ones(8, device_mesh=mesh)
+    busy = dtorch.ones((800, 800), device_mesh=mesh)
+    for _ in range(4):
+        busy = busy @ busy / 800.0
+    for _ in range(3000):
+        x = x + 1.0
+        session.current().flush()  # one frame per operator
+    assert x.to_torch()[0].item() == 3001.0

@@ -48,6 +48,10 @@ class Controller:
         self.results.connect(results_addr)
         self.host_sock = self.ctx.socket(zmq.ROUTER)
         self.host_sock.setsockopt(zmq.LINGER, 0)
+        # A ROUTER silently drops what it cannot queue: never let it (no send limit), and make a
+        # send to an unknown host an error rather than a silent loss.
+        self.host_sock.setsockopt(zmq.SNDHWM, 0)
+        self.host_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.host_sock.bind(f"tcp://{config.bind_host}:*")
         self.host_addr = self.host_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()

@@ -231,6 +231,7 @@ class Host:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, str(index).encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # batches queue here, none is ever dropped
         self.sock.connect(controller_addr)
         # any thread queues messages here and rings the bell; the main thread sends them
         self.outbox: collections.deque = collections.deque()
