@@ -44,7 +44,9 @@ class Bound:
 
 
 def dispatch(op, operands: tuple, static: tuple):
-    s = _session.current()
+    s = _session._current
+    if s is None or s.closed or s.fatal is not None:
+        s = _session.current()  # starts the runtime, or raises its failure
     key = (op, static, *[o._spec if isinstance(o, Tensor) else type(o) for o in operands])
     try:
         bound = s.bound.get(key)

@@ -160,10 +160,12 @@ class Session:
 
     def site(self) -> int:
         """Index of the user's ``file:line`` (the first frame outside dtorch)."""
-        f = sys._getframe(1)
-        while f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = sys._getframe(2)  # the caller of dispatch: the user, or more dtorch frames
+        code = f.f_code
+        while code.co_filename.startswith(_PACKAGE_DIR):
             f = f.f_back
-        key = (f.f_code.co_filename, f.f_lineno)
+            code = f.f_code
+        key = (code.co_filename, f.f_lineno)  # not the code object: equal code compares equal
         index = self.sites.get(key)
         if index is None:
             index = self.sites[key] = len(self.site_names)
