@@ -21,15 +21,22 @@ from .client.graph import Graph, default_graph
 from .client.session import shutdown
 from .factories import (
     arange,
+    empty,
     empty_like,
     from_torch,
     full_like,
     manual_seed,
+    ones,
     ones_like,
     rand,
+    rand_like,
     randint,
+    randint_like,
     randn,
+    randn_like,
+    randperm,
     tensor,
+    zeros,
     zeros_like,
 )
 from .future import TensorFuture
@@ -45,6 +52,21 @@ for _name, _value in vars(_torch).items():
 from . import nn  # noqa: E402
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)
+
+# indexing fronts and the extension point (dtorch/indexing.py, dtorch/extension.py)
+from .extension import local_map, register_op  # noqa: E402
+from .indexing import getitem as _getitem, nonzero, setitem as _setitem, unique  # noqa: E402
+
+Tensor.__getitem__, Tensor.__setitem__ = _getitem, _setitem
+Tensor.nonzero, Tensor.unique = nonzero, unique
+
+# conversion and shape fronts (dtorch/conversions.py, dtorch/shapes.py)
+from . import conversions as _conversions, shapes as _shapes  # noqa: E402
+
+for _fronts in (_conversions, _shapes):
+    globals().update(_fronts.FUNCTIONS)
+    for _name, _fn in _fronts.METHODS.items():
+        setattr(Tensor, _name, _fn)
 
 
 def sync() -> None:

@@ -36,6 +36,27 @@ def _seed(generator, draw, size, dtype, **kw):
     return state
 
 
+def _size(sizes, size) -> tuple:
+    """The size given spread out, as one sequence, or as ``size=`` (as torch, not both)."""
+    if size is not None:
+        if sizes:
+            raise TypeError("got multiple values for argument 'size'")
+        sizes = (size,)
+    return size_arg(sizes)
+
+
+def _constant(name: str):
+    def factory(*sizes, size=None, dtype=None, device_mesh=None, placements=None):
+        return call_op(name, (), (_size(sizes, size), dtype, device_mesh, placements))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"``torch.{name}``: each device makes its block; ``size=`` works too."
+    return factory
+
+
+zeros, ones, empty = _constant("zeros"), _constant("ones"), _constant("empty")
+
+
 def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None):
     """Uniform [0, 1) values, as ``torch.rand``; equal to torch's for the same generator."""
     size = size_arg(size)
@@ -61,6 +82,13 @@ def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, dev
     size = size_arg((size,))
     seed = _seed(generator, lambda sz, **kw: torch.randint(low, high, sz, **kw), size, dtype)
     return call_op("randint", (seed,), (low, high, size, dtype, device_mesh, placements))
+
+
+def randperm(n, *, generator=None, dtype=torch.int64, device_mesh=None, placements=None):
+    """A random permutation of ``range(n)``, as ``torch.randperm``; equal to torch's for the
+    same generator."""
+    return call_op("randperm", (_seed(generator, torch.randperm, n, dtype),),
+                   (n, dtype, device_mesh, placements))
 
 
 def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None):
@@ -117,3 +145,24 @@ def empty_like(input, *, dtype=None, device_mesh=None, placements=None):
 def full_like(input, fill_value, *, dtype=None, device_mesh=None, placements=None):
     size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
     return call_op("full", (), (size, fill_value, dtype, mesh, placements))
+
+
+def rand_like(input, *, generator=None, dtype=None, device_mesh=None, placements=None):
+    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    return rand(size, generator=generator, dtype=dtype, device_mesh=mesh, placements=placements)
+
+
+def randn_like(input, *, generator=None, dtype=None, device_mesh=None, placements=None):
+    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    return randn(size, generator=generator, dtype=dtype, device_mesh=mesh, placements=placements)
+
+
+def randint_like(input, low=0, high=None, *, generator=None, dtype=None, device_mesh=None,
+                 placements=None):
+    """``randint_like(input, high)`` or ``randint_like(input, low, high)``, as torch (the
+    input's dtype unless ``dtype=``)."""
+    if high is None:
+        low, high = 0, low
+    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    return randint(low, high, size, generator=generator, dtype=dtype, device_mesh=mesh,
+                   placements=placements)

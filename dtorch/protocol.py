@@ -28,6 +28,8 @@ VIEW = 2  # output aliases operand 0's storage
 IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
 
+STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"), not an operator
+
 # tags
 DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
 KERNEL, WAIT = 8, 9
@@ -118,6 +120,8 @@ class KernelError(NamedTuple):
     site: int
     op: str
     message: str
+    kernel: int  # id of the failed kernel's first result: every device reports, the client
+    # tells the user once
 
 
 class Synced(NamedTuple):

@@ -214,3 +214,79 @@ def test_bad_placements_raise(mesh1, mesh2):
     with pytest.raises(TypeError, match="DeviceMesh"):
         dtorch.ones(3, device_mesh=[0, 1])
     assert_close(dtorch.zeros(3, 4, device_mesh=mesh1, placements=[Shard(-1)]), torch.zeros(3, 4))
+
+
+# -- eye, linspace, logspace, randperm, *_like, size= ---------------------------------------------
+
+SPACED = {
+    "eye": (lambda lib, **kw: lib.eye(5, **kw)),
+    "eye-rect": (lambda lib, **kw: lib.eye(5, 7, **kw)),
+    "eye-int": (lambda lib, **kw: lib.eye(6, 5, dtype=torch.int64, **kw)),
+    "eye-bool": (lambda lib, **kw: lib.eye(5, 7, dtype=torch.bool, **kw)),
+    "linspace": (lambda lib, **kw: lib.linspace(-1, 2, 11, **kw)),
+    "linspace-f64": (lambda lib, **kw: lib.linspace(0, 1, 7, dtype=torch.float64, **kw)),
+    "linspace-int": (lambda lib, **kw: lib.linspace(0, 20, 8, dtype=torch.int64, **kw)),
+    "linspace-1": (lambda lib, **kw: lib.linspace(3, 4, 1, **kw)),
+    "logspace": (lambda lib, **kw: lib.logspace(0, 3, 8, **kw)),
+    "logspace-base": (lambda lib, **kw: lib.logspace(-2, 2, 9, base=2, **kw)),
+}
+ONE_D = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (P,)), ("mesh2", (S0, S0)),
+         ("mesh2", (Partial("max"), S0)), ("mesh3", (S0, R, P))]
+
+
+@pytest.mark.parametrize("name", SPACED)
+def test_eye_and_spaced(name, layout, mesh1, mesh2, mesh3, one):
+    meshes = {"one": one, "mesh1": mesh1, "mesh2": mesh2, "mesh3": mesh3}
+    expected = SPACED[name](torch)
+    layouts = [layout] if expected.dim() == 2 else [(meshes[m], list(p)) for m, p in ONE_D]
+    for lay in layouts:
+        x = SPACED[name](dtorch, **where(lay))
+        laid_out(x, lay, tuple(expected.shape), expected.dtype)
+        assert_close(x, expected, exact=Partial("avg") not in lay[1])
+
+
+def test_randperm_equals_torch(mesh1):
+    g, tg = seeded(), seeded()
+    for n, dtype in ((11, torch.int64), (7, torch.int32), (6, torch.float32)):
+        x = dtorch.randperm(n, generator=g, dtype=dtype, device_mesh=mesh1, placements=[S0])
+        assert_close(x, torch.randperm(n, generator=tg, dtype=dtype), exact=True)
+    assert torch.equal(g.get_state(), tg.get_state())
+    dtorch.manual_seed(5)
+    a = dtorch.randperm(9, device_mesh=mesh1, placements=[S0]).to_torch()
+    assert torch.equal(a.sort().values, torch.arange(9))
+
+
+@pytest.mark.parametrize("name", ["rand_like", "randn_like", "randint_like"])
+def test_random_like(name, layout):
+    mesh, placements = layout
+    t = torch.zeros(5, 7, dtype=torch.float64)
+    x = dtorch.from_torch(t, mesh, placements)
+    args = (3, 9) if name == "randint_like" else ()
+    g, tg = seeded(), seeded()
+    y = getattr(dtorch, name)(x, *args, generator=g)
+    laid_out(y, layout, (5, 7), torch.float64)
+    assert_close(y, getattr(torch, name)(t, *args, generator=tg), exact=True)
+    z = getattr(dtorch, name)(x, *args, dtype=torch.float32, placements=[R] * mesh.ndim)
+    assert z.dtype == torch.float32 and z.placements == [R] * mesh.ndim
+    if name == "randint_like":  # randint_like(input, high)
+        assert dtorch.randint_like(x, 4).to_torch().max() < 4
+
+
+def test_size_keyword(mesh2):
+    for name in ("zeros", "ones", "empty"):
+        x = getattr(dtorch, name)(size=(3, 4), device_mesh=mesh2, placements=[S0, S1])
+        assert tuple(x.shape) == (3, 4) and x.placements == [S0, S1]
+        assert getattr(dtorch, name)(size=[2]).shape == getattr(torch, name)(size=[2]).shape
+        with pytest.raises(TypeError):
+            getattr(dtorch, name)(2, size=(3, 4))
+    assert_close(dtorch.ones(size=(2, 3), dtype=torch.int32), torch.ones(2, 3, dtype=torch.int32),
+                 exact=True)
+
+
+def test_factory_errors_are_torch_errors():
+    for fn in (lambda lib: lib.eye(-1), lambda lib: lib.linspace(0, 1, -2),
+               lambda lib: lib.randperm(-3), lambda lib: lib.zeros(2, -1)):
+        with pytest.raises(Exception) as expected:
+            fn(torch)
+        with pytest.raises(expected.type):
+            fn(dtorch)

@@ -300,3 +300,17 @@ report(total=total, addrs=addrs)
 def test_the_runtime_survives_this_file():
     """The test session's own runtime is still there and right after the tests above."""
     assert torch.equal(dtorch.tensor([1, 2]).mul(3).to_torch(), torch.tensor([3, 6]))
+
+
+def test_a_host_that_starts_late_gets_every_definition_it_needs():
+    """A host started after redistributes and other calls were defined receives the earlier
+    definitions (but not the client's redistribute calls, which only the controller lowers)."""
+    result = run_client(CLIENT_PRELUDE + """
+one = dtorch.DeviceMesh("cpu", [0])
+t = torch.randn(5, 7, 3)
+x = dtorch.from_torch(t, one, [Shard(2)]).redistribute(placements=[Replicate()])
+assert torch.equal(x.to_torch(), t)
+y = dtorch.from_torch(t, dtorch.DeviceMesh("cpu", [0, 1, 2]), [Shard(0)])   # starts host 1
+report(ok=torch.equal((y * 2).to_torch(), t * 2))
+""", timeout=120)
+    assert result["ok"]

@@ -69,7 +69,7 @@ def test_redistribute_lowers_to_collective_on_the_comm_stream():
     g = make_graph()
     nodes = lower_redistribute(g, [op(g, 3, 11, 10)])
     # the step's call shape is defined to the hosts first
-    assert kinds(nodes) == [f"tag {P.DEFINE_CALL}", "all_gather"]
+    assert kinds(nodes) == [f"tag {P.DEFINE_CALL}", P.STEP_PREFIX + "all_gather"]
     nodes = assign_streams(g, nodes)
     assert nodes[1].stream == COMM_STREAM and nodes[1].waits is None
     # a compute kernel reading the gathered value waits for the comm stream once

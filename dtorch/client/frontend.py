@@ -22,7 +22,14 @@ def _tuple(items) -> str:
     return "(" + ", ".join(items) + ("," if items else "") + ")"
 
 
-def generate(op):
+def _tensors(items) -> tuple:
+    """Tensor varargs given as one list or tuple (``einsum("ij->j", [x])``) or spread out."""
+    return tuple(items[0]) if len(items) == 1 and isinstance(items[0], (list, tuple)) else items
+
+
+def generate(op, dispatch_fn=dispatch):
+    """The public function of ``op``; ``dispatch_fn`` (default: ``dispatch``) receives
+    ``(op, operands, static)`` (dtorch.register_op routes its operators through a carrier)."""
     params, operands, static, star = [], [], [], False
     for p in op.params:
         if p.varargs:
@@ -35,15 +42,17 @@ def generate(op):
             params.append(p.name if p.default is None else f"{p.name}={p.default}")
         if p.kind == "tensor":
             operands.append(p.name)
-        elif p.kind == "tensors":
-            operands.append("*" + p.name)
+        elif p.kind == "tensors":  # varargs ("*operands") may also come as one list, as in torch
+            operands.append(f"*_tensors({p.name})" if p.varargs else "*" + p.name)
         else:
             static.append(f"_size({p.name})" if p.varargs else p.name)
+    call = f"_dispatch(_op, {_tuple(operands)}, {_tuple(static)})"
     src = (
         f"def {op.name}({', '.join(params)}):\n"
-        f"    return _dispatch(_op, {_tuple(operands)}, {_tuple(static)})\n"
+        f"    return {f'_result({call})' if op.result else call}\n"
     )
-    namespace = {"_dispatch": dispatch, "_op": op, "_size": size_arg}
+    namespace = {"_dispatch": dispatch_fn, "_op": op, "_size": size_arg, "_result": op.result,
+                 "_tensors": _tensors}
     exec(compile(src, _FILENAME, "exec"), namespace)
     fn = namespace[op.name]
     fn.__doc__ = op.doc or f"dtorch.{op.signature}: torch.{op.name} on distributed tensors."

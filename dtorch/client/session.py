@@ -31,6 +31,7 @@ _lock = threading.Lock()
 # name (or, when dropped, release) a tensor of the next runtime.
 _tensor_ids = itertools.count(1)
 MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
+MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
 
 
 def current() -> Session:
@@ -86,6 +87,7 @@ class Session:
         self.errors: list = []  # kernel errors not raised yet (at most MAX_ERRORS)
         self.more_errors = 0  # how many more were reported
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
+        self.reported: dict = {}  # ids of failed kernels already seen (an ordered set)
         self.fatal = None
         self.closed = False
         self.graph = 0
@@ -258,7 +260,12 @@ class Session:
             if entry:
                 entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
         elif tag == P.KERNEL_ERROR:
-            _, site, op, message = msg
+            _, site, op, message, kernel = msg
+            if kernel in self.reported:  # another device's report of a failure already seen
+                return
+            self.reported[kernel] = None
+            if len(self.reported) > MAX_REPORTED:
+                del self.reported[next(iter(self.reported))]
             text = self._describe(site, op, message)
             self.failures.setdefault(site, text)
             if text not in self.errors:

@@ -91,7 +91,8 @@ class LogicalGraph:
             self.spec_ids.setdefault(spec, i)
         elif tag == P.DEFINE_CALL:
             self.calls[rec[1]] = CallInfo.from_record(rec)
-        self.definitions.append(rec)
+        if not (tag == P.DEFINE_CALL and rec[2] == "redistribute"):  # lowered, never sent
+            self.definitions.append(rec)
 
     def spec_id(self, spec, out: list) -> int:
         """Id of a spec the controller made (defined to the hosts through ``out``)."""
@@ -104,12 +105,15 @@ class LogicalGraph:
             out.append(rec)
         return i
 
-    def step_call(self, op: str, src_id: int, dst_id: int, static: bytes, flags: int,
+    def step_call(self, kind: str, src_id: int, dst_id: int, static: bytes, flags: int,
                   out: list) -> CallInfo:
-        key = (op, src_id, dst_id, static)
+        """The call shape of one redistribute step. Steps travel as ``P.STEP_PREFIX + kind``,
+        a namespace of their own: a step is not an operator (``chunk`` is both)."""
+        key = (kind, src_id, dst_id, static)
         call = self.step_calls.get(key)
         if call is None:
-            rec = [P.DEFINE_CALL, next(self._call_ids), op, [src_id], [dst_id], static, flags]
+            rec = [P.DEFINE_CALL, next(self._call_ids), P.STEP_PREFIX + kind, [src_id], [dst_id],
+                   static, flags]
             self.define(rec)
             out.append(rec)
             call = self.step_calls[key] = self.calls[rec[1]]

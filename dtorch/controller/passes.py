@@ -163,7 +163,9 @@ def assign_streams(graph, nodes: list) -> list:
             for o in node.outs:
                 st.ready[o] = (s, pos)
             if node.call.flags & VIEW:
-                st.root[node.outs[0]] = st.root.get(node.operands[0], node.operands[0])
+                root = st.root.get(node.operands[0], node.operands[0])
+                for o in node.outs:  # split and unbind make several views
+                    st.root[o] = root
             out.append(node)
         elif type(node) is int:
             st.ready.pop(node, None)

@@ -1,4 +1,6 @@
 """The operator registry and its entries, by family. Importing this registers every operator."""
 
-from . import creation, elementwise, linalg, reduction, shape  # noqa: F401
+from . import activation, creation, elementwise, linalg, reduction, shape  # noqa: F401
+from . import conversion  # noqa: F401,E402
+from . import extension, indexing, nn  # noqa: F401,E402  (indexing, nn ops, user ops)
 from .registry import REGISTRY, OpDef, lookup, register  # noqa: F401

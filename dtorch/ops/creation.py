@@ -82,9 +82,11 @@ def _meta_like(fn):
     return lambda *operands, size, dtype, **_: fn(size, dtype=dtype, device="meta")
 
 
+# their fronts (factories.py) also take the size as ``size=``, as torch's do
 for _name in ("zeros", "ones", "empty"):
     register(OpDef(_name, f"{_name}(*size, {LAYOUT})", factory(getattr(torch, _name)),
-                   creation_rule, meta=_meta_like(getattr(torch, _name)), uses_context=True))
+                   creation_rule, meta=_meta_like(getattr(torch, _name)), uses_context=True,
+                   function=False))
 register(OpDef("full", f"full(size, fill_value, *, {LAYOUT})", _full_kernel, creation_rule,
                meta=lambda size, fill_value, dtype: torch.full(size, fill_value, dtype=dtype,
                                                                device="meta"),
@@ -105,4 +107,45 @@ register(OpDef("arange", f"arange(start, end, step, *, {LAYOUT})", _arange, crea
 register(OpDef("from_data", f"from_data(data: Tensor, size, *, {LAYOUT})", _from_data,
                creation_rule,
                meta=lambda data, size, dtype: torch.empty(size, dtype=dtype, device="meta"),
+               uses_context=True, function=False))
+
+
+# -- identity and spaced values -------------------------------------------------------------------
+
+
+def out_dtype(ctx) -> torch.dtype:
+    """The result's dtype as the client resolved it (a host's default dtype may differ)."""
+    return getattr(torch, ctx.out_specs[0].dtype)
+
+
+def _eye(ctx, *, n, m, dtype):
+    """The block at rows r0.., cols c0.. of the identity: ones where row == col."""
+    (rows, cols), (r0, c0) = ctx.out_local_shape, ctx.out_offsets
+    ones = torch.arange(r0, r0 + rows).unsqueeze(1) == torch.arange(c0, c0 + cols)
+    return ctx.partition(ones.to(out_dtype(ctx)))
+
+
+def _spaced(fn):
+    """linspace/logspace: the whole range (torch's own rounding), this device's block of it."""
+    return lambda ctx, *, dtype, **static: ctx.partition(
+        _block(ctx, fn(**static, dtype=out_dtype(ctx))))
+
+
+register(OpDef("eye", f"eye(n, m=None, *, {LAYOUT})", _eye, creation_rule,
+               meta=lambda n, m=None, dtype=None: torch.eye(n, n if m is None else m,
+                                                            dtype=dtype, device="meta"),
+               uses_context=True))
+register(OpDef("linspace", f"linspace(start, end, steps, *, {LAYOUT})", _spaced(torch.linspace),
+               creation_rule,
+               meta=lambda start, end, steps, dtype: torch.linspace(start, end, steps,
+                                                                    dtype=dtype, device="meta"),
+               uses_context=True))
+register(OpDef("logspace", f"logspace(start, end, steps, base=10.0, *, {LAYOUT})",
+               _spaced(torch.logspace), creation_rule,
+               meta=lambda start, end, steps, base, dtype: torch.logspace(
+                   start, end, steps, base, dtype=dtype, device="meta"),
+               uses_context=True))
+register(OpDef("randperm", f"randperm(seed: Tensor, n, *, {LAYOUT})",
+               random_kernel(torch.randperm), creation_rule,
+               meta=lambda seed, n, dtype: torch.empty(n, dtype=dtype, device="meta"),
                uses_context=True, function=False))

@@ -32,6 +32,7 @@ class OpDef:
     functional: bool = False  # exported as dtorch.nn.functional.<name> too
     flags: int = 0
     uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
+    result: Callable | None = None  # wraps what a call returns (torch's named tuples)
     doc: str = ""
     # filled from the signature
     params: list = field(default_factory=list)
@@ -64,7 +65,9 @@ def parse_signature(signature: str) -> list:
             keyword_only = True
             continue
         if part.startswith("*"):  # "*size": varargs that may also be given as one sequence
-            params.append(Param(part[1:], "static", None, False, varargs=True))
+            name, _, ann = (s.strip() for s in part[1:].partition(":"))
+            kind = "tensors" if ann == "TensorList" else "static"  # "*operands: TensorList"
+            params.append(Param(name, kind, None, False, varargs=True))
             keyword_only = True
             continue
         name, _, default = (s.strip() for s in part.partition("="))

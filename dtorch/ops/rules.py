@@ -202,6 +202,8 @@ def einsum_rows(in_labels, out_labels: str, shapes) -> list:
             size[c] = max(size.get(c, 1), n)
     rows = []
     for c in dict.fromkeys("".join(in_labels)):
+        if any(lab.count(c) > 1 for lab in in_labels):  # a diagonal ("ii"): one shard holds
+            continue  # rows of it, not its own block of the diagonal
         ins = tuple(
             Shard(lab.index(c)) if c in lab and shape[lab.index(c)] == size[c] else R
             for lab, shape in zip(in_labels, shapes)

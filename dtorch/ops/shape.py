@@ -1,4 +1,5 @@
-"""Shape operators: views, reshapes, permutations, cat and stack.
+"""Shape operators: views, reshapes, permutations, expansions, joins and splits, flips, rolls,
+pads and triangles.
 
 Sharding follows the dims: a permutation moves ``Shard(d)`` with its dim. A reshape keeps a shard
 only where the local reshape is the global one cut the same way: the sharded dim must be the
@@ -7,11 +8,17 @@ dim, its size and the output dim's size must be divisible by the number of shard
 local blocks would not be ``array_split`` chunks of the output). Anything else raises, naming the
 redistribute to add, instead of giving silently wrong values. None of them combines elements, so
 every Partial passes (sum, avg, max and min alike).
+
+Ops that move or copy elements along some dims only (flip, roll, narrow, split, pad, repeat...)
+are the op on the local block along every other dim, so those keep their shards; a sharded dim
+they act on would need other devices' elements, or cut the result unlike ``array_split``, so it
+must be Replicate (the error names the redistribute).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..placement import Replicate, Shard
 from .registry import VIEW, OpDef, register
@@ -129,6 +136,223 @@ register(OpDef("t", "t(input: Tensor)", torch.t,
                permute_rule(lambda ndim: list(range(ndim))[::-1]), methods=("t",), flags=VIEW))
 
 
+def _dims(dims) -> list:
+    return [dims] if isinstance(dims, int) else list(dims)
+
+
+def _movedim_perm(ndim, source, destination) -> list:
+    """The input dim of each output dim: ``source`` dims land at ``destination``, the others
+    keep their order."""
+    n = max(ndim, 1)
+    perm = [None] * ndim
+    src = [d % n for d in _dims(source)]
+    for s, d in zip(src, _dims(destination)):
+        perm[d % n] = s
+    rest = iter(d for d in range(ndim) if d not in src)
+    return [p if p is not None else next(rest) for p in perm]
+
+
+register(OpDef("movedim", "movedim(input: Tensor, source, destination)", torch.movedim,
+               permute_rule(_movedim_perm), methods=("movedim",), flags=VIEW))
+register(OpDef("unflatten", "unflatten(input: Tensor, dim, sizes)",
+               lambda ctx, input, dim, sizes: input.reshape(ctx.out_local_shape), reshape_rule,
+               meta=torch.unflatten, methods=("unflatten",), flags=VIEW, uses_context=True))
+
+
+# -- expand: broadcasting a size-1 dim ------------------------------------------------------------
+
+
+def expand_rule(call) -> Placed:
+    """A dim that keeps its size is copied as it is, so its shard passes; a new or broadcast
+    (size-1) dim holds the same values all along, so it comes out Replicate, and a sharded
+    size-1 dim being broadcast must be Replicate first (one device holds the element). Copies
+    combine nothing: every Partial passes. ``expand_as`` reads only its other operand's shape."""
+    spec = call.tensors[0]
+    out = call.outs[0][0]
+    off = len(out) - len(spec.shape)
+    rows = [((Shard(d + off),), (Shard(d),)) for d, n in enumerate(spec.shape) if n == out[d + off]]
+    rows += [((p,), (p,)) for p in ALL_PARTIALS]
+    return expand(call._replace(inputs=call.inputs[:1]), rows)
+
+
+def _expand_local(ctx, input, *_, **__):
+    return input.expand(ctx.out_local_shape)
+
+
+register(OpDef("expand", "expand(input: Tensor, *size)", _expand_local, expand_rule,
+               meta=lambda input, size: input.expand(size), methods=("expand",), function=False,
+               flags=VIEW, uses_context=True))
+register(OpDef("expand_as", "expand_as(input: Tensor, other: Tensor)", _expand_local,
+               expand_rule, meta=torch.Tensor.expand_as, methods=("expand_as",), function=False,
+               flags=VIEW, uses_context=True))
+
+
+# -- ops that act along some dims only ------------------------------------------------------------
+
+
+def moving_rule(along, renumber=None, partials=lambda **static: ALL_PARTIALS):
+    """For ops that move or copy elements only along the dims ``along(ndim, **static)``: every
+    other dim keeps its shard (output dim ``renumber(d, ndim, **static)``); the dims acted on
+    must be Replicate. ``partials(**static)`` are the Partials that pass (copies: all)."""
+
+    def rule(call) -> Placed:
+        ndim = len(call.tensors[0].shape)
+        acted = {d % ndim for d in along(ndim, **call.static)} if ndim else set()
+        n_out = len(call.outs)
+        rows = [
+            ((Shard(renumber(d, ndim, **call.static) if renumber else d),) * n_out, (Shard(d),))
+            for d in range(ndim)
+            if d not in acted
+        ]
+        rows += [((p,) * n_out, (p,)) for p in partials(**call.static)]
+        return expand(call, rows)
+
+    return rule
+
+
+def _parts(fn):
+    """A multi-output kernel: one result travels as a tensor, not a 1-tuple."""
+
+    def kernel(*args, **kwargs):
+        parts = fn(*args, **kwargs)
+        return parts[0] if len(parts) == 1 else parts
+
+    return kernel
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _at(dim_name):
+    return lambda ndim, **static: [static.get(dim_name, 0)]
+
+
+def _all_dims_if_none(dim_name):
+    return lambda ndim, **static: (range(ndim) if static.get(dim_name) is None
+                                   else _dims(static[dim_name]))
+
+
+# flip, roll and narrow move elements across a dim (and the result's shards would not be the
+# input's array_split blocks): only that dim must be Replicate. A roll without dims flattens.
+# (x.flip(0) as the method: one dim may come as an int)
+register(OpDef("flip", "flip(input: Tensor, dims)",
+               lambda input, dims: torch.flip(input, _dims(dims)),
+               moving_rule(lambda ndim, dims: _dims(dims)), methods=("flip",)))
+register(OpDef("roll", "roll(input: Tensor, shifts, dims=None)", torch.roll,
+               moving_rule(_all_dims_if_none("dims")), methods=("roll",)))
+register(OpDef("narrow", "narrow(input: Tensor, dim, start, length)", torch.narrow,
+               moving_rule(_at("dim")), methods=("narrow",), flags=VIEW))
+# split and unbind (and chunk, a front over split: its name is a redistribute step's on the
+# wire) cut one dim into several results: along any other dim each piece's
+# block is the local block's piece. unbind removes its dim, renumbering the ones after it.
+register(OpDef("split", "split(tensor: Tensor, split_size_or_sections, dim=0)",
+               _parts(torch.split), moving_rule(_at("dim")), meta=torch.split,
+               methods=("split",), flags=VIEW, result=_as_tuple))
+register(OpDef("unbind", "unbind(input: Tensor, dim=0)", _parts(torch.unbind),
+               moving_rule(_at("dim"), lambda d, ndim, dim=0: d - (d > dim % ndim)),
+               meta=torch.unbind, methods=("unbind",), flags=VIEW, result=_as_tuple))
+
+
+# repeat and tile copy the whole of each repeated dim after itself: a local copy of a shard
+# would interleave the blocks, so a repeated dim must be Replicate; a dim repeated once stays.
+def _reps(ndim, reps) -> tuple:
+    """Repeats per output dim, as tile pads them: at least one per input dim."""
+    return (1,) * (ndim - len(reps)) + tuple(reps)
+
+
+def _repeated(ndim, reps) -> list:
+    reps = _reps(ndim, reps)
+    return [d for d in range(ndim) if reps[d + len(reps) - ndim] != 1]
+
+
+def _after_new_dims(d, ndim, reps) -> int:
+    return d + len(_reps(ndim, reps)) - ndim
+
+
+register(OpDef("repeat", "repeat(input: Tensor, *sizes)",
+               lambda input, sizes: input.repeat(sizes),
+               moving_rule(lambda ndim, sizes: _repeated(ndim, sizes),
+                           lambda d, ndim, sizes: _after_new_dims(d, ndim, sizes)),
+               methods=("repeat",), function=False))
+register(OpDef("tile", "tile(input: Tensor, dims)", torch.tile,
+               moving_rule(lambda ndim, dims: _repeated(ndim, _dims(dims)),
+                           lambda d, ndim, dims: _after_new_dims(d, ndim, _dims(dims))),
+               methods=("tile",)))
+
+
+def _repeat_interleave_meta(input, repeats, dim=None, *, output_size=None):
+    if not isinstance(repeats, int):  # a tensor of repeats: the shape would depend on values
+        raise NotImplementedError("dtorch.repeat_interleave: repeats must be an int")
+    return torch.repeat_interleave(input, repeats, dim, output_size=output_size)
+
+
+# each element is repeated in place: a sharded dim's repeated blocks are not array_split blocks
+# of the result when uneven; without a dim it flattens first
+register(OpDef("repeat_interleave",
+               "repeat_interleave(input: Tensor, repeats, dim=None, *, output_size=None)",
+               torch.repeat_interleave, moving_rule(_all_dims_if_none("dim")),
+               meta=_repeat_interleave_meta, methods=("repeat_interleave",)))
+
+
+def _pad_partials(pad, mode="constant", value=None) -> tuple:
+    """Reflect, replicate and circular padding copy elements; a constant is the same on every
+    device, which a max, min or avg reduces to itself, and a sum only when it is 0."""
+    if mode == "constant" and value:
+        return tuple(p for p in ALL_PARTIALS if p.reduce_op != "sum")
+    return ALL_PARTIALS
+
+
+def _pad_meta(input, pad, mode="constant", value=None):
+    """F.pad on meta tensors checks shapes; torch's dtype checks of the non-constant modes (no
+    reflect of bool) run first, as torch's CPU kernels raise them, on a small real tensor whose
+    padded dims fit the pads."""
+    if mode != "constant" and input.dim() > len(pad) // 2:
+        fit = 2 * max(map(abs, pad), default=0) + 2
+        probe = [1] * input.dim()
+        for d in _padded(input.dim(), pad):
+            probe[d] = fit
+        F.pad(torch.zeros(probe, dtype=input.dtype), pad, mode, value)
+    return F.pad(input, pad, mode, value)
+
+
+def _pad(ctx, input, pad, mode="constant", value=None):
+    if 0 in ctx.out_local_shape:  # an empty block (torch refuses to reflect one)
+        return input.new_empty(ctx.out_local_shape)
+    return F.pad(input, pad, mode, value)
+
+
+def _padded(ndim, pad, **_) -> list:
+    """The dims ``pad`` changes: pairs (before, after) from the last dim back."""
+    return [ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
+
+
+# the padded (or cropped) dims must be Replicate, the others are local
+register(OpDef("pad", "pad(input: Tensor, pad, mode='constant', value=None)", _pad,
+               moving_rule(_padded,
+                           partials=_pad_partials),
+               meta=_pad_meta, function=False, functional=True, uses_context=True))
+
+
+def _triangle(fn):
+    """tril/triu of a block: element (i, j) of the block is (i + row offset, j + col offset) of
+    the tensor, so the diagonal moves by the difference of the offsets."""
+
+    def kernel(ctx, input, diagonal=0):
+        rows, cols = ctx.out_offsets[-2:]
+        return fn(input, diagonal + rows - cols)
+
+    return kernel
+
+
+# every dim may stay sharded (the offsets are the shard's); zeroing an element is the same on
+# every device, which every reduction keeps zero: all Partials pass
+for _name in ("tril", "triu"):
+    register(OpDef(_name, f"{_name}(input: Tensor, diagonal=0)", _triangle(getattr(torch, _name)),
+                   moving_rule(lambda ndim, **_: ()), meta=getattr(torch, _name),
+                   methods=(_name,), uses_context=True))
+
+
 def cat_rule(call) -> Placed:
     """Inputs share a placement; a shard of a dim other than the joined one stays (stack inserts
     a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass."""
@@ -148,5 +372,7 @@ def cat_rule(call) -> Placed:
 
 register(OpDef("cat", "cat(tensors: TensorList, dim=0)", lambda *ts, dim=0: torch.cat(ts, dim),
                cat_rule))
+register(OpDef("concat", "concat(tensors: TensorList, dim=0)",
+               lambda *ts, dim=0: torch.cat(ts, dim), cat_rule))
 register(OpDef("stack", "stack(tensors: TensorList, dim=0)",
                lambda *ts, dim=0: torch.stack(ts, dim), cat_rule))

@@ -39,6 +39,12 @@ def all_gather(ctx, x, mesh_dim):
     pg, _ = ctx.group(mesh_dim)
     sizes = chunk_sizes(ctx.out_local_shape[d], pg.size())
     padded = _pad(x, d, sizes[0])
+    if sizes[0] == sizes[-1] > 0 and all(n == 1 for n in x.shape[:d]):
+        # even chunks of the outermost dim are contiguous slices of the result: gather into
+        # them directly, saving a full copy
+        out = x.new_empty(ctx.out_local_shape)
+        pg.allgather([list(out.split(sizes[0], d))], [padded]).wait()
+        return out
     outs = [torch.empty_like(padded) for _ in sizes]
     pg.allgather([outs], [padded]).wait()
     return torch.cat([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d)
@@ -51,8 +57,27 @@ def all_reduce(ctx, x, mesh_dim):
     out = x.clone(memory_format=torch.contiguous_format)
     opts = AllreduceOptions()
     opts.reduceOp = REDUCE[op]
+    nans = _nan_mask(op, out)
+    if nans is not None:
+        nan_opts = AllreduceOptions()
+        nan_opts.reduceOp = ReduceOp.MAX
+        pg.allreduce([nans], nan_opts).wait()
     pg.allreduce([out], opts).wait()
+    _restore_nans(out, nans)
     return out.div_(pg.size()) if op == "avg" else out
+
+
+def _nan_mask(op: str, t: torch.Tensor):
+    """Gloo's max and min drop NaN (every comparison with NaN is false) where torch propagates
+    it: the NaN positions travel in a byte mask of their own, reduced with MAX alongside."""
+    if op in ("max", "min") and t.is_floating_point():
+        return torch.isnan(t).to(torch.uint8)
+    return None
+
+
+def _restore_nans(t: torch.Tensor, nans) -> None:
+    if nans is not None:
+        t.masked_fill_(nans.bool(), float("nan"))
 
 
 def reduce_scatter(ctx, x, mesh_dim):
@@ -65,7 +90,15 @@ def reduce_scatter(ctx, x, mesh_dim):
     out = torch.empty_like(chunks[0])
     opts = ReduceScatterOptions()
     opts.reduceOp = REDUCE[op]
+    nan_chunks = [_nan_mask(op, c) for c in chunks]
+    if nan_chunks[0] is not None:
+        nans = torch.empty_like(nan_chunks[0])
+        nan_opts = ReduceScatterOptions()
+        nan_opts.reduceOp = ReduceOp.MAX
+        pg.reduce_scatter([nans], [nan_chunks], nan_opts).wait()
     pg.reduce_scatter([out], [chunks], opts).wait()
+    if nan_chunks[0] is not None:
+        _restore_nans(out, nans)
     out = out.narrow(d, 0, sizes[rank]).contiguous()
     return out.div_(pg.size()) if op == "avg" else out  # gloo has no average: sum, then divide
 

@@ -80,7 +80,7 @@ class HostCall:
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
-        step = STEP_KERNELS.get(name)
+        step = STEP_KERNELS[name[len(P.STEP_PREFIX):]] if name.startswith(P.STEP_PREFIX) else None
         if step is not None:
             self.fn, self.uses_context, kwargs = step, True, {"mesh_dim": P.unpack(static)[0]}
         else:
@@ -117,10 +117,11 @@ class KernelRun:
     (``passes.fuse_chains``), of which only the last step's results become blobs.
     A step is (HostCall, KernelContext or None, operands: Blob / PREV / scalar, site)."""
 
-    __slots__ = ("steps", "outputs", "waits", "host")
+    __slots__ = ("steps", "outputs", "waits", "host", "key")
 
-    def __init__(self, steps, outputs, waits, host):
+    def __init__(self, steps, outputs, waits, host, key):
         self.steps, self.outputs, self.waits, self.host = steps, outputs, waits, host
+        self.key = key  # the kernel's first result id, naming its failure to the client
 
     def __call__(self) -> None:
         if self.waits:
@@ -194,7 +195,7 @@ class KernelRun:
         for blob in self.outputs:
             blob.error = error
         if report:
-            self.host.send(P.KernelError(P.KERNEL_ERROR, *error))
+            self.host.send(P.KernelError(P.KERNEL_ERROR, *error, self.key))
 
 
 def first_failure(inputs):
@@ -336,7 +337,7 @@ class Host:
                     e = Event(self.cuda)
                     dev.stream(t).put(e.record)
                     events.append(e)
-            dev.stream(last[3]).put(KernelRun(steps, outputs, events, self))
+            dev.stream(last[3]).put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
 
     def operands(self, call: HostCall, dev: Device, rec, prev) -> list:
         """A kernel's operands on ``dev``: Blobs for tensors (PREV for the chain's previous
@@ -363,7 +364,7 @@ class Host:
                            "dtorch.shutdown()?)")
                 out[k] = b = Blob(spec)
                 b.error = (site, call.name, message)
-                self.send(P.KernelError(P.KERNEL_ERROR, *b.error))
+                self.send(P.KernelError(P.KERNEL_ERROR, *b.error, operands[k]))
         return out
 
     def on_release(self, tensor_id: int) -> None:

@@ -1,0 +1,361 @@
+"""Indexing against plain torch: ``x[index]``, ``x[index] = v``, the indexing functions and the
+value-dependent ops, over meshes x placements x dtypes x uneven sizes.
+
+A call either raises ValueError at the call (an index touches a sharded dim) or gives torch's
+values; hypothesis draws the indices. Whole dims keep their shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from helpers import assert_close, distribute
+
+R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
+HYPOTHESIS = settings(max_examples=25, deadline=None,
+                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="session")
+def one():
+    return dtorch.DeviceMesh("cpu", [0])
+
+
+LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S2,)), ("mesh1", (P,)),
+           ("mesh2", (S0, S2)), ("mesh2", (S2, S0)), ("mesh3", (S0, S2, R))]
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda p: f"{p[0]}-{''.join(map(str, p[1]))}")
+def layout(request):
+    name, placements = request.param
+    return request.getfixturevalue(name), list(placements), name == "one"
+
+
+def sample(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+
+
+def check(fn, xs, ts, exact):
+    """``fn`` gives torch's values, or torch's exception type, or a ValueError at the call
+    (placements it cannot take); returns whether it ran."""
+    try:
+        expected = fn(*ts)
+    except Exception as e:  # noqa: BLE001 - dtorch must raise the same type
+        with pytest.raises(type(e)):
+            fn(*xs)
+        return False
+    try:
+        got = fn(*xs)
+    except ValueError as e:
+        assert "redistribute" in str(e)
+        return False
+    for g, w in zip(got if isinstance(got, tuple) else (got,),
+                    expected if isinstance(expected, tuple) else (expected,)):
+        assert_close(g, w, exact)
+    return True
+
+
+# -- __getitem__ ----------------------------------------------------------------------------------
+
+SHAPE = (5, 4, 7)
+WHOLE_DIM_INDICES = {  # the sharded dims (0 and 2 in LAYOUTS) pass whole: never refused
+    "int": (slice(None), 1),
+    "neg-int": (slice(None), -1),
+    "slice-step": (slice(None), slice(None, None, 2)),
+    "neg-slice": (slice(None), slice(-3, -1)),
+    "none": (None, slice(None), 2, None),
+    "ellipsis": (Ellipsis, slice(None)),
+    "ellipsis-mid": (slice(None), Ellipsis, slice(None)),
+    "list": (slice(None), [0, 2, 2]),
+    "tensor-2d": (slice(None), torch.tensor([[0, 1], [3, 3]])),
+    "int+ellipsis": (Ellipsis, 2, slice(None)),
+    "mask-torch": (slice(None), torch.tensor([True, False, True, True])),
+}
+TOUCHING_INDICES = {  # these index a dim some layouts shard
+    "first-int": 3,
+    "first-slice": slice(1, 4),
+    "adv-apart": ([0, 1], slice(None), [2, 3]),
+    "adv-adjacent": (slice(None), [0, 1], [2, 3]),
+    "neg-everything": (-1, -2, -3),
+}
+
+
+@pytest.mark.parametrize("name", WHOLE_DIM_INDICES)
+def test_getitem_whole_dims_keep_shards(name, layout):
+    mesh, placements, exact = layout
+    t = sample(SHAPE)
+    x = distribute(t, mesh, placements)
+    index = WHOLE_DIM_INDICES[name]
+    y = x[index]
+    assert_close(y, t[index], exact)
+    assert not any(p.is_replicate() for p, q in zip(y.placements, placements)
+                   if not q.is_replicate())
+
+
+@pytest.mark.parametrize("name", TOUCHING_INDICES)
+def test_getitem_touching(name, layout):
+    """Refused (ValueError naming the fix) exactly when a touched dim is sharded; the fix
+    works as written."""
+    mesh, placements, exact = layout
+    t = sample(SHAPE)
+    x = distribute(t, mesh, placements)
+    index = TOUCHING_INDICES[name]
+    if check(lambda v: v[index], [x], [t], exact):
+        return
+    y = x.redistribute(placements=[R] * mesh.ndim)[index]
+    assert_close(y, t[index], exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float64], ids=str)
+def test_getitem_dtypes(dtype, mesh2):
+    t = sample(SHAPE, torch.int64) > 0 if dtype == torch.bool else sample(SHAPE, dtype)
+    x = distribute(t, mesh2, [S0, S2])
+    assert_close(x[:, 1:3, ..., None], t[:, 1:3, ..., None])
+
+
+def test_getitem_errors(mesh1):
+    t = sample(SHAPE)
+    x = distribute(t, mesh1, [R])
+    for bad in (7, (0, 0, 0, 0), 1.5, (slice(None), slice(None, None, -1))):
+        check(lambda v: v[bad], [x], [t], False)
+    with pytest.raises(IndexError, match="mask"):
+        x[torch.tensor([True, False])]
+
+
+def index_items(shape):
+    """Random torch-style indices for ``shape``: ints, slices, None, ..., lists."""
+    def item(size):
+        return st.one_of(
+            st.integers(-size, size - 1),
+            st.builds(slice, st.one_of(st.none(), st.integers(-size - 1, size + 1)),
+                      st.one_of(st.none(), st.integers(-size - 1, size + 1)),
+                      st.one_of(st.none(), st.integers(1, 3))),
+            st.lists(st.integers(-size, size - 1), min_size=1, max_size=3),
+        )
+    return st.tuples(*[item(s) for s in shape]).flatmap(
+        lambda items: st.tuples(st.integers(0, len(items)), st.integers(0, 2)).map(
+            lambda cut: items[:cut[0]] + ((None,) if cut[1] == 1 else (Ellipsis,)
+                                          if cut[1] == 2 else ()) + items[cut[0]:]))
+
+
+@HYPOTHESIS
+@given(data=st.data())
+def test_getitem_hypothesis(data, mesh1, mesh2):
+    mesh, placements = data.draw(st.sampled_from([(mesh1, [S0]), (mesh1, [S1]), (mesh2, [S1, S0]),
+                                                  (mesh2, [P, S2]), (mesh1, [R])]))
+    t = sample(SHAPE)
+    x = distribute(t, mesh, placements)
+    index = data.draw(index_items(SHAPE))
+    ran = check(lambda v: v[index], [x], [t], False)
+    if all(p.is_replicate() or p.is_partial() for p in placements):
+        assert ran or _torch_refuses(t, index)
+
+
+def _torch_refuses(t, index) -> bool:
+    try:
+        t[index]
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def test_getitem_dtorch_index_tensor(mesh2):
+    t = sample((6, 5))
+    idx = torch.tensor([[4, 0], [1, 1]])
+    x = distribute(t, mesh2, [S1, R])
+    assert_close(x[distribute(idx, mesh2, [R, R])], t[idx])
+    with pytest.raises(ValueError, match="redistribute"):
+        x[distribute(idx, mesh2, [S0, R])]
+
+
+def test_getitem_mask_syncs(mesh1):
+    """A dtorch bool mask is value-dependent: fetched, turned into indices, then indexed."""
+    t = sample((5, 6))
+    x = distribute(t, mesh1, [R])
+    assert_close(x[x > 0], t[t > 0])
+    xs = distribute(t, mesh1, [S0])
+    assert_close(xs[:, x[0] > 0], t[:, t[0] > 0])  # the mask's dim is whole: S(0) stays
+    assert xs[:, x[0] > 0].placements == [S0]
+
+
+# -- __setitem__ ----------------------------------------------------------------------------------
+
+SET_CASES = {
+    "scalar-col": ((slice(None), 1), lambda shape: 3.0),
+    "row-vector": ((Ellipsis, 2), lambda shape: sample(shape[:1] + shape[1:2], seed=1)),
+    "broadcast": ((slice(None), slice(1, 3)), lambda shape: sample((1, 2, shape[2]), seed=1)),
+    "list": ((slice(None), [0, 3]), lambda shape: -1.0),
+    "first-dim": ((2,), lambda shape: 0.5),
+    "view-shaped": ((slice(None), 0), lambda shape: sample((shape[0], shape[2]), seed=2)),
+}
+
+
+@pytest.mark.parametrize("name", SET_CASES)
+def test_setitem(name, layout):
+    mesh, placements, exact = layout
+    index, make = SET_CASES[name]
+    t = sample(SHAPE)
+    value = make(SHAPE)
+
+    def run(v, lib_value):
+        v[index] = lib_value
+        return v
+
+    expected = run(t.clone(), value)
+    for vp in ([R] * mesh.ndim, placements):
+        x = distribute(t, mesh, placements)
+        dv = value
+        if isinstance(value, torch.Tensor):
+            try:
+                dv = distribute(value, mesh, vp)
+            except (IndexError, ValueError):  # a shard dim the value does not have
+                continue
+        try:
+            run(x, dv)
+        except ValueError as e:
+            assert "redistribute" in str(e)
+            continue
+        assert_close(x, expected, exact)
+        assert x.placements == placements
+
+
+def test_setitem_partial(mesh1):
+    t, v = sample((5, 4)), sample((5,), seed=1)
+    x, dv = distribute(t, mesh1, [P]), distribute(v, mesh1, [P])
+    x[:, 1] = dv
+    t[:, 1] = v
+    assert_close(x, t)
+    with pytest.raises(ValueError, match="redistribute"):
+        x[:, 1] = 2.0  # each device would write 2: the sum would be 6
+
+
+def test_setitem_mask_and_dtype(mesh1):
+    t = sample((5, 4), torch.int64)
+    x = distribute(t, mesh1, [R])
+    x[x < 0] = 0
+    t[t < 0] = 0
+    assert_close(x, t)
+    x[:, 0] = 2.7  # cast to the tensor's dtype, as in torch
+    t[:, 0] = 2.7
+    assert_close(x, t)
+
+
+# -- indexing functions ---------------------------------------------------------------------------
+
+def _index(shape, high, seed=3):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+FUNCTIONS = {
+    # name: (fn(lib, input, index, src), input shape, index shape or (dim, high), src shape)
+    "index_select0": (lambda L, a, i, s: L.index_select(a, 0, i), (5, 7), ((4,), 5), None),
+    "index_select1": (lambda L, a, i, s: L.index_select(a, 1, i), (5, 7), ((3,), 7), None),
+    "gather0": (lambda L, a, i, s: L.gather(a, 0, i), (5, 7), ((3, 7), 5), None),
+    "gather1": (lambda L, a, i, s: a.gather(1, i), (5, 7), ((5, 2), 7), None),
+    "scatter0": (lambda L, a, i, s: L.scatter(a, 0, i, s), (5, 7), ((2, 7), 5), (2, 7)),
+    "scatter_value": (lambda L, a, i, s: L.scatter(a, 1, i, 2.5), (5, 7), ((5, 3), 7), None),
+    "scatter_add1": (lambda L, a, i, s: a.scatter_add(1, i, s), (5, 7), ((5, 9), 7), (5, 9)),
+    "index_add0": (lambda L, a, i, s: L.index_add(a, 0, i, s, alpha=2), (5, 7), ((6,), 5),
+                   (6, 7)),
+    "index_add1": (lambda L, a, i, s: a.index_add(1, i, s), (5, 7), ((3,), 7), (5, 3)),
+    "index_put": (lambda L, a, i, s: L.index_put(a, (i,), s, True), (5, 7), ((4,), 5), (4, 7)),
+}
+ONE_D = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh1", (R,)), ("mesh1", (P,)),
+         ("mesh2", (S1, S0)), ("mesh3", (S0, S1, S0))]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("lay", ONE_D, ids=lambda p: f"{p[0]}-{''.join(map(str, p[1]))}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_indexing_functions(name, lay, dtype, request):
+    """Every operand in the same placements (shards past the end of an operand's dims
+    mean Replicate for it), then all-Replicate operands after a refusal."""
+    fn, shape, (ishape, high), sshape = FUNCTIONS[name]
+    mesh, exact = request.getfixturevalue(lay[0]), lay[0] == "one"
+    if dtype == torch.int64 and P in lay[1]:
+        pytest.skip("integer partials are covered by float")
+    t, i = sample(shape, dtype), _index(ishape, high)
+    s = sample(sshape, dtype, seed=1) if sshape else None
+
+    def place(v, partial_ok=True):
+        return [p if (p.is_shard() and p.dim < v.ndim) or (p.is_partial() and partial_ok)
+                else R for p in lay[1]]
+
+    ops = [distribute(t, mesh, place(t)), distribute(i, mesh, place(i, False)),
+           distribute(s, mesh, place(s)) if s is not None else None]
+    if not check(lambda a, b, c: fn(dtorch if isinstance(a, dtorch.Tensor) else torch, a, b, c),
+                 ops, [t, i, s], exact):
+        rep = [o.redistribute(placements=[R] * mesh.ndim) if o is not None else None
+               for o in ops]
+        assert_close(fn(dtorch, *rep), fn(torch, t, i, s), exact)
+
+
+def test_indexing_function_errors(mesh1):
+    t = sample((5, 7))
+    x = distribute(t, mesh1, [S0])
+    with pytest.raises(ValueError, match=r"dtorch.index_select.*redistribute"):
+        dtorch.index_select(x, 0, distribute(_index((3,), 5), mesh1, [R]))
+    with pytest.raises(IndexError):  # torch's own check, at the call
+        dtorch.index_select(x, 2, distribute(_index((3,), 5), mesh1, [R]))
+    with pytest.raises(RuntimeError):  # gather's index must have the input's rank
+        dtorch.gather(x, 1, distribute(_index((3,), 5), mesh1, [R]))
+
+
+# -- sorting --------------------------------------------------------------------------------------
+
+SORTS = {
+    "topk": lambda v: v.topk(3, dim=1),
+    "topk-small-last": lambda v: v.topk(2, largest=False),
+    "sort": lambda v: v.sort(dim=0, descending=True, stable=True),
+    "sort-last": lambda v: v.sort(),
+    "argsort": lambda v: v.argsort(dim=1, stable=True),
+}
+
+
+@pytest.mark.parametrize("name", SORTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_sorting(name, dtype, layout):
+    mesh, placements, exact = layout
+    t = sample((6, 5, 7), dtype)
+    x = distribute(t, mesh, placements)
+    if not check(SORTS[name], [x], [t], exact):
+        assert any(not p.is_replicate() for p in placements)
+    if name.startswith(("topk", "sort")) and check(SORTS[name], [x], [t], exact):
+        assert SORTS[name](x).values.shape == SORTS[name](t).values.shape
+
+
+# -- value-dependent ------------------------------------------------------------------------------
+
+
+def test_nonzero_unique(mesh2):
+    t = sample((5, 6), torch.int64)
+    x = distribute(t, mesh2, [S0, S1])
+    assert_close(dtorch.nonzero(x), torch.nonzero(t))
+    for a, b in zip(x.nonzero(as_tuple=True), t.nonzero(as_tuple=True)):
+        assert_close(a, b)
+    assert_close(dtorch.unique(x), torch.unique(t))
+    for a, b in zip(x.unique(return_inverse=True, return_counts=True),
+                    t.unique(return_inverse=True, return_counts=True)):
+        assert_close(a, b)
+    assert dtorch.unique(x).placements == [R, R]
+
+
+def test_sharded_index_gathers_from_whole_input(mesh2):
+    """An index sharded along ``dim`` with the input Replicate: each device selects its chunk
+    of the index (uneven: 5 indices over 2)."""
+    t, i = sample((4, 6)), _index((5,), 4)
+    x = distribute(t, mesh2, [R, S1])
+    y = dtorch.index_select(x, 0, distribute(i, mesh2, [S0, R]))
+    assert y.placements == [S0, S1]
+    assert_close(y, torch.index_select(t, 0, i))
+    g = _index((5, 6), 4)
+    z = dtorch.gather(x, 0, distribute(g, mesh2, [S0, S1]))
+    assert z.placements == [S0, S1]
+    assert_close(z, torch.gather(t, 0, g))
