@@ -23,12 +23,13 @@ class CallInfo(NamedTuple):
     outputs: tuple
     static: bytes
     flags: int
-    reads: tuple  # positions of the tensor operands among the operands
+    reads: tuple  # where the tensor operands stand in an Operator's record
 
     @classmethod
     def from_record(cls, rec) -> CallInfo:
         _, i, op, inputs, outputs, static, flags = rec
-        reads = tuple(k for k, s in enumerate(inputs) if s)
+        first = 4 + len(outputs)
+        reads = tuple(first + k for k, s in enumerate(inputs) if s)
         return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads)
 
 
@@ -41,9 +42,15 @@ class Operator:
 
     def __init__(self, call: CallInfo, rec: list):
         self.call, self.rec = call, rec
-        n = 4 + len(call.outputs)
-        self.outs = rec[4:n]
-        self.inputs = [rec[n + k] for k in call.reads]
+        reads = call.reads
+        self.outs = rec[4:4 + len(call.outputs)]
+        # the common arities spelled out: this runs once per operator
+        if len(reads) == 1:
+            self.inputs = (rec[reads[0]],)
+        elif len(reads) == 2:
+            self.inputs = (rec[reads[0]], rec[reads[1]])
+        else:
+            self.inputs = tuple(rec[k] for k in reads)
         self.waits = None  # streams to wait for, set by assign_streams
 
     @classmethod

@@ -37,6 +37,8 @@ def lower_redistribute(graph, nodes: list) -> list:
     The batch's definitions move to its front. The controller registers all of them before the
     passes run, so a spec a plan passes through may already carry the id of a spec the client
     defines later in the batch; the hosts must have it before the step that uses it."""
+    if not any(type(n) is Operator and n.call.op == "redistribute" for n in nodes):
+        return nodes
     out = [node for node in nodes if _is_definition(node)]
     for node in nodes:
         if _is_definition(node):
@@ -146,31 +148,37 @@ def assign_streams(graph, nodes: list) -> list:
     """Puts collectives on the communication stream and the rest on the current graph's
     compute stream, adding the cross-stream waits they need (see StreamState)."""
     st = graph.streams
+    ready, position = st.ready, st.position
     out = []
     for node in nodes:
-        if isinstance(node, Operator):
-            s = COMM_STREAM if node.call.flags & COMM else compute_stream(graph.graph)
+        if type(node) is Operator:
+            flags = node.call.flags
+            s = COMM_STREAM if flags & COMM else compute_stream(graph.graph)
             node.rec[3] = s
             for i in node.inputs:
-                _wait_for(st, node, out, st.ready.get(i))
+                produced = ready.get(i)
+                if produced is not None and produced[0] != s:
+                    _wait_for(st, node, produced)
                 if s == COMM_STREAM:
-                    st.comm_reads[st.root.get(i, i)] = st.position.get(s, 0) + 1
-            if node.call.flags & INPLACE:
+                    st.comm_reads[st.root.get(i, i)] = position.get(s, 0) + 1
+            if flags & INPLACE:
                 r = st.root.get(node.outs[0], node.outs[0])
                 if r in st.comm_reads:
-                    _wait_for(st, node, out, (COMM_STREAM, st.comm_reads[r]))
-            pos = st.position[s] = st.position.get(s, 0) + 1
+                    _wait_for(st, node, (COMM_STREAM, st.comm_reads[r]))
+            pos = position[s] = position.get(s, 0) + 1
             for o in node.outs:
-                st.ready[o] = (s, pos)
-            if node.call.flags & VIEW:
+                ready[o] = (s, pos)
+            if flags & VIEW:
                 root = st.root.get(node.operands[0], node.operands[0])
                 for o in node.outs:  # split and unbind make several views
                     st.root[o] = root
             out.append(node)
         elif type(node) is int:
-            st.ready.pop(node, None)
-            st.root.pop(node, None)
-            st.comm_reads.pop(node, None)
+            ready.pop(node, None)
+            if st.root:
+                st.root.pop(node, None)
+            if st.comm_reads:
+                st.comm_reads.pop(node, None)
             out.append(node)
         elif node[0] == P.FETCH:
             s, _ = st.ready.get(node[1], (compute_stream(graph.graph), 0))
@@ -182,9 +190,7 @@ def assign_streams(graph, nodes: list) -> list:
     return out
 
 
-def _wait_for(st: StreamState, node: Operator, out: list, produced) -> None:
-    if produced is None:
-        return
+def _wait_for(st: StreamState, node: Operator, produced) -> None:
     t, pos = produced
     s = node.stream
     if t == s:
@@ -220,7 +226,7 @@ def fuse_chains(graph, nodes: list) -> list:
     its kernels may still read those tensors."""
     reads, released = {}, set()
     for node in nodes:
-        if isinstance(node, Operator):
+        if type(node) is Operator:
             for i in node.inputs:
                 reads[i] = reads.get(i, 0) + 1
         elif type(node) is int:
@@ -238,7 +244,7 @@ def fuse_chains(graph, nodes: list) -> list:
         links.clear()
 
     for node in nodes:
-        if isinstance(node, Operator):
+        if type(node) is Operator:
             if chain and _links(graph, chain[-1], node, reads, released):
                 links.add(chain[-1].outs[0])
                 chain.append(node)
