@@ -13,6 +13,7 @@ import time
 import torch
 
 import dtorch
+from baseline import run_on_gloo_ranks
 
 N = int(os.environ.get("BENCH_OPS", "100000"))
 N_DTENSOR = int(os.environ.get("BENCH_DTENSOR_OPS", "3000"))
@@ -41,12 +42,11 @@ def time_dtorch(mesh, placements, n):
     return time.perf_counter() - t0
 
 
-def _dtensor_rank(rank, port, n, out):
+def _dtensor_rank(rank, n):
+    """Seconds for ``program`` over ``n`` ops on a DTensor sharded over the gloo ranks."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])
@@ -54,29 +54,11 @@ def _dtensor_rank(rank, port, n, out):
     dist.barrier()
     t0 = time.perf_counter()
     program(x, n).sum().full_tensor()
-    elapsed = time.perf_counter() - t0
-    if rank == 0:
-        out.put(elapsed)
-    dist.destroy_process_group()
+    return time.perf_counter() - t0
 
 
 def time_dtensor(n):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_dtensor_rank, args=(r, port, n, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    elapsed = out.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    return elapsed
+    return run_on_gloo_ranks(_dtensor_rank, n)
 
 
 def main():

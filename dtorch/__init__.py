@@ -53,6 +53,13 @@ from . import nn  # noqa: E402
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)
 
+# torch.max(input, other) and torch.min: the elementwise forms (ops/reduction.py)
+from .ops.reduction import with_elementwise as _with_elementwise  # noqa: E402
+
+for _name, _elementwise in (("max", "maximum"), ("min", "minimum")):
+    globals()[_name] = _front = _with_elementwise(globals()[_name], _elementwise)
+    setattr(Tensor, _name, _front)
+
 # indexing fronts and the extension point (dtorch/indexing.py, dtorch/extension.py)
 from .extension import local_map, register_op  # noqa: E402
 from .indexing import getitem as _getitem, nonzero, setitem as _setitem, unique  # noqa: E402
@@ -60,13 +67,12 @@ from .indexing import getitem as _getitem, nonzero, setitem as _setitem, unique 
 Tensor.__getitem__, Tensor.__setitem__ = _getitem, _setitem
 Tensor.nonzero, Tensor.unique = nonzero, unique
 
-# conversion and shape fronts (dtorch/conversions.py, dtorch/shapes.py)
-from . import conversions as _conversions, shapes as _shapes  # noqa: E402
+# conversion fronts (dtorch/conversions.py)
+from . import conversions as _conversions  # noqa: E402
 
-for _fronts in (_conversions, _shapes):
-    globals().update(_fronts.FUNCTIONS)
-    for _name, _fn in _fronts.METHODS.items():
-        setattr(Tensor, _name, _fn)
+globals().update(_conversions.FUNCTIONS)
+for _name, _fn in _conversions.METHODS.items():
+    setattr(Tensor, _name, _fn)
 
 
 def sync() -> None:

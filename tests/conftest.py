@@ -8,6 +8,12 @@ import dtorch
 
 
 @pytest.fixture(scope="session")
+def one():
+    """The one-device mesh: dtorch is bit-identical to torch there."""
+    return dtorch.DeviceMesh("cpu", [0])
+
+
+@pytest.fixture(scope="session")
 def mesh1():
     return dtorch.DeviceMesh("cpu", [0, 1, 2])
 

@@ -15,14 +15,9 @@ import torch.nn.functional as TF
 import dtorch
 import dtorch.nn.functional as F
 from dtorch import Partial, Replicate, Shard
-from helpers import all_placements, assert_close, distribute
+from helpers import all_placements, assert_close, check_like_torch, distribute
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
-
-
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
 
 
 def sample(shape, dtype=torch.float32, seed=0):
@@ -35,16 +30,6 @@ def sample(shape, dtype=torch.float32, seed=0):
 def fn_of(name, **kw):
     """The same call on torch.nn.functional or dtorch.nn.functional operands."""
     return lambda *xs: getattr(F if isinstance(xs[0], dtorch.Tensor) else TF, name)(*xs, **kw)
-
-
-def check(fn, xs, ts, exact):
-    try:
-        expected = fn(*ts)
-    except Exception as e:  # noqa: BLE001 - torch's exception type, at the call
-        with pytest.raises(type(e)):
-            fn(*xs)
-        return
-    assert_close(fn(*xs), expected, exact)
 
 
 # -- pointwise ------------------------------------------------------------------------------------
@@ -65,10 +50,11 @@ def test_pointwise(layout, dtype, request):
     t = sample((5, 7), dtype)
     x = distribute(t, mesh, placements)
     for name, kw in POINTWISE:
-        check(fn_of(name, **kw), [x], [t], layout[0] == "one")
+        check_like_torch(fn_of(name, **kw), [x], [t], layout[0] == "one")
         if hasattr(TF, name + "_"):
-            check(lambda v: getattr(F if isinstance(v, dtorch.Tensor) else TF, name + "_")(
-                v.clone(), **kw), [x], [t], layout[0] == "one")
+            check_like_torch(lambda v: getattr(F if isinstance(v, dtorch.Tensor) else TF,
+                                               name + "_")(v.clone(), **kw),
+                             [x], [t], layout[0] == "one")
     y = F.silu(x) if dtype.is_floating_point else F.relu(x)
     assert y.placements == placements
 
@@ -184,12 +170,12 @@ def test_mixing_dtypes_and_torch_errors(mesh2):
     for dtype in (torch.float64, torch.int64, torch.float16):
         t = sample((5, 6), dtype)
         x = distribute(t, mesh2, [S0, R])
-        check(fn_of("softmax", dim=1), [x], [t], False)
-        check(fn_of("log_softmax", dim=1, dtype=torch.float64), [x], [t], False)
-        check(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).layer_norm(v, (6,)), [x],
-              [t], False)
-        check(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).group_norm(v, 4), [x], [t],
-              False)  # 6 channels in 4 groups: torch's error
+        check_like_torch(fn_of("softmax", dim=1), [x], [t], False)
+        check_like_torch(fn_of("log_softmax", dim=1, dtype=torch.float64), [x], [t], False)
+        check_like_torch(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).layer_norm(v, (6,)),
+                         [x], [t], False)
+        check_like_torch(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).group_norm(v, 4),
+                         [x], [t], False)  # 6 channels in 4 groups: torch's error
     t = sample((5, 6))
     x = distribute(t, mesh2, [S0, R])
     assert_close(F.softmax(x), TF.softmax(t, dim=1))  # dim=None: torch's implicit choice
@@ -240,8 +226,8 @@ def test_dropout_edges(mesh1):
         F.dropout(x, 1.5)
     with pytest.raises(NotImplementedError):
         F.dropout(x, 0.5, inplace=True)
-    check(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).dropout(v, 0.5),
-          [distribute(t.long(), mesh1, [S0])], [t.long()], False)  # torch's int error
+    check_like_torch(lambda v: (F if isinstance(v, dtorch.Tensor) else TF).dropout(v, 0.5),
+                     [distribute(t.long(), mesh1, [S0])], [t.long()], False)  # torch's int error
 
 
 def test_blocks_draw_independently(mesh1):

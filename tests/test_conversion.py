@@ -8,8 +8,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.placement import placements_str
-from helpers import assert_close, distribute
+from helpers import assert_close, distribute, layout_fixture
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -19,15 +18,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-@pytest.fixture(params=LAYOUTS, ids=lambda lay: f"{lay[0]}-{placements_str(lay[1])}")
-def layout(request):
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements), name == "one"
+layout = layout_fixture(LAYOUTS)
 
 
 def sample(shape=(5, 7), dtype=torch.float32, seed=0) -> torch.Tensor:

@@ -9,8 +9,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.placement import placements_str
-from helpers import assert_close
+from helpers import assert_close, layout_fixture
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -21,19 +20,11 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-@pytest.fixture(params=LAYOUTS, ids=lambda lay: f"{lay[0]}-{placements_str(lay[1])}")
-def layout(request):
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements)
+layout = layout_fixture(LAYOUTS)
 
 
 def where(layout) -> dict:
-    mesh, placements = layout
+    mesh, placements, _ = layout
     return {"device_mesh": mesh, "placements": placements}
 
 
@@ -42,7 +33,7 @@ def seeded(seed: int = 7) -> torch.Generator:
 
 
 def laid_out(x, layout, shape, dtype) -> None:
-    mesh, placements = layout
+    mesh, placements, _ = layout
     assert x.device_mesh == mesh and x.placements == placements
     assert tuple(x.shape) == shape and x.dtype == dtype
 
@@ -82,7 +73,7 @@ def test_default_mesh_and_placements():
 
 
 def test_like_factories(layout):
-    mesh, placements = layout
+    mesh, placements, _ = layout
     t = torch.randn(5, 7, generator=seeded())
     x = dtorch.from_torch(t, mesh, placements)
     for name in ("zeros_like", "ones_like", "empty_like"):
@@ -177,7 +168,7 @@ DATA = {
 
 @pytest.mark.parametrize("name", DATA)
 def test_from_torch_reads_back(name, layout):
-    mesh, placements = layout
+    mesh, placements, _ = layout
     t = DATA[name]
     x = dtorch.from_torch(t, device_mesh=mesh, placements=placements)
     laid_out(x, layout, tuple(t.shape), t.dtype)
@@ -238,7 +229,8 @@ ONE_D = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (P,)), ("mesh2", (S0, S0)),
 def test_eye_and_spaced(name, layout, mesh1, mesh2, mesh3, one):
     meshes = {"one": one, "mesh1": mesh1, "mesh2": mesh2, "mesh3": mesh3}
     expected = SPACED[name](torch)
-    layouts = [layout] if expected.dim() == 2 else [(meshes[m], list(p)) for m, p in ONE_D]
+    layouts = [layout] if expected.dim() == 2 else [
+        (meshes[m], list(p), m == "one") for m, p in ONE_D]
     for lay in layouts:
         x = SPACED[name](dtorch, **where(lay))
         laid_out(x, lay, tuple(expected.shape), expected.dtype)
@@ -258,7 +250,7 @@ def test_randperm_equals_torch(mesh1):
 
 @pytest.mark.parametrize("name", ["rand_like", "randn_like", "randint_like"])
 def test_random_like(name, layout):
-    mesh, placements = layout
+    mesh, placements, _ = layout
     t = torch.zeros(5, 7, dtype=torch.float64)
     x = dtorch.from_torch(t, mesh, placements)
     args = (3, 9) if name == "randint_like" else ()

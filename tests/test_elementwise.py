@@ -14,15 +14,23 @@ import operator
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from helpers import assert_close, distribute
+from helpers import (
+    aligned_placements,
+    assert_close,
+    check_like_torch,
+    distribute,
+    fixture_settings,
+    layout_fixture,
+    lib,
+    sample,
+)
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
-HYPOTHESIS = settings(max_examples=40, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = fixture_settings(40)
 
 # (mesh fixture, placements of a (5, 7) tensor): even, uneven, nested, Replicate mixed in
 LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh2", (S0, S1)),
@@ -30,55 +38,12 @@ LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh2", (S0, S1)
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool]
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-@pytest.fixture(params=LAYOUTS, ids=lambda p: f"{p[0]}-{''.join(map(str, p[1]))}")
-def layout(request):
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements), name == "one"
-
-
-def sample(shape, dtype=torch.float32, seed=0, positive=False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(1 if positive else 0, 2, shape, generator=g).bool()
-    if not dtype.is_floating_point:
-        return torch.randint(1 if positive else -5, 6, shape, generator=g, dtype=dtype)
-    t = torch.randn(shape, generator=g, dtype=dtype)
-    return t.abs() + 0.5 if positive else t
-
-
-def aligned(placements, out_shape, shape) -> list:
-    """Placements of an operand broadcast to ``out_shape`` that follow the output's shards."""
-    off = len(out_shape) - len(shape)
-    out = []
-    for p in placements:
-        d = p.dim - off if p.is_shard() else -1
-        out.append(Shard(d) if d >= 0 and shape[d] == out_shape[p.dim] else R)
-    return out
+layout = layout_fixture(LAYOUTS)
 
 
 def check(fn, xs, ts, exact=False) -> None:
-    """``fn`` on dtorch operands gives ``fn`` on torch ones, or raises torch's exception type."""
-    try:
-        expected = fn(*ts)
-    except Exception as e:  # noqa: BLE001 - whatever torch raises, dtorch must raise too
-        with pytest.raises(type(e)):
-            fn(*xs)
-        return
-    got = fn(*xs)
-    assert got.dtype == expected.dtype and tuple(got.shape) == tuple(expected.shape)
-    # bit-identical on one device (NaN where torch has NaN); else allclose: distributed float
-    # kernels may differ from one-device ones in the last bit (vectorized tails)
-    tol = 0 if exact or not expected.dtype.is_floating_point else 1e-5
-    torch.testing.assert_close(got.to_torch(), expected, rtol=tol, atol=tol, equal_nan=True)
-
-
-def lib(v):
-    return dtorch if isinstance(v, dtorch.Tensor) else torch
+    """``check_like_torch``, where NaN matches NaN: the unary cases feed inf and NaN in."""
+    check_like_torch(fn, xs, ts, exact, equal_nan=True)
 
 
 # -- unary ----------------------------------------------------------------------------------------
@@ -153,7 +118,7 @@ def test_binary(dtype, other_shape, layout):
     mesh, placements, exact = layout
     a, b = sample((5, 7), dtype, positive=True), sample(other_shape, dtype, seed=1, positive=True)
     x = distribute(a, mesh, placements)
-    for b_placements in (aligned(placements, (5, 7), other_shape), [R] * mesh.ndim):
+    for b_placements in (aligned_placements(placements, (5, 7), other_shape), [R] * mesh.ndim):
         y = distribute(b, mesh, b_placements)
         for name in BINARY:
             check(lambda u, v: getattr(lib(u), name)(u, v), [x, y], [a, b], exact)
@@ -224,7 +189,7 @@ def test_fused(dtype, layout):
     c, pos = sample((7,), dtype, seed=2), sample((5, 7), dtype, seed=4, positive=True)
     mask = sample((5, 7), torch.bool, seed=5)
     for name, fn, ts in fused_cases(a, b, c, mask, pos):
-        xs = [distribute(t, mesh, aligned(placements, (5, 7), t.shape)) for t in ts]
+        xs = [distribute(t, mesh, aligned_placements(placements, (5, 7), t.shape)) for t in ts]
         check(fn, xs, ts, exact)
         if not exact:  # the Replicate operands are chunked locally to meet the first one
             check(fn, [xs[0]] + [distribute(t, mesh, [R] * mesh.ndim) for t in ts[1:]], ts)

@@ -26,11 +26,6 @@ def blocks(t, mesh_size, dim=0):
     return torch.tensor_split(t, mesh_size, dim)
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
 # -- local_map ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("placements", [[S0], [S1], [R]], ids=str)

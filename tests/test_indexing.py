@@ -9,56 +9,44 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from helpers import assert_close, distribute
+from helpers import (
+    TORCH_RAISED,
+    assert_close,
+    distribute,
+    fixture_settings,
+    layout_fixture,
+    layout_id,
+    sample,
+    torch_expected,
+)
 
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
-HYPOTHESIS = settings(max_examples=25, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
+HYPOTHESIS = fixture_settings(25)
 
 
 LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S2,)), ("mesh1", (P,)),
            ("mesh2", (S0, S2)), ("mesh2", (S2, S0)), ("mesh3", (S0, S2, R))]
 
 
-@pytest.fixture(params=LAYOUTS, ids=lambda p: f"{p[0]}-{''.join(map(str, p[1]))}")
-def layout(request):
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements), name == "one"
-
-
-def sample(shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=dtype)
-    return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+layout = layout_fixture(LAYOUTS)
 
 
 def check(fn, xs, ts, exact):
     """``fn`` gives torch's values, or torch's exception type, or a ValueError at the call
     (placements it cannot take); returns whether it ran."""
-    try:
-        expected = fn(*ts)
-    except Exception as e:  # noqa: BLE001 - dtorch must raise the same type
-        with pytest.raises(type(e)):
-            fn(*xs)
+    expected = torch_expected(fn, ts, xs)
+    if expected is TORCH_RAISED:
         return False
     try:
         got = fn(*xs)
     except ValueError as e:
         assert "redistribute" in str(e)
         return False
-    for g, w in zip(got if isinstance(got, tuple) else (got,),
-                    expected if isinstance(expected, tuple) else (expected,)):
-        assert_close(g, w, exact)
+    assert_close(got, expected, exact)
     return True
 
 
@@ -272,7 +260,7 @@ ONE_D = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh1", (R,)), ("m
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
-@pytest.mark.parametrize("lay", ONE_D, ids=lambda p: f"{p[0]}-{''.join(map(str, p[1]))}")
+@pytest.mark.parametrize("lay", ONE_D, ids=layout_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
 def test_indexing_functions(name, lay, dtype, request):
     """Every operand in the same placements (shards past the end of an operand's dims

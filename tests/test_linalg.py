@@ -10,29 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import event, given, strategies as st
 
 import dtorch
 import dtorch.nn.functional as F
 from dtorch import Partial, Replicate, Shard
 from dtorch.placement import placements_str
-from helpers import assert_close, distribute
+from helpers import assert_close, distribute, fixture_settings, sample
 
 R, S0, S1, S2, P, PA = Replicate(), Shard(0), Shard(1), Shard(2), Partial(), Partial("avg")
-HYPOTHESIS = settings(max_examples=40, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-def sample(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if not dtype.is_floating_point:
-        return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
-    return torch.randn(shape, generator=g, dtype=dtype)
+HYPOTHESIS = fixture_settings(40)
 
 
 def run(fn, ts, mesh, placements):
@@ -45,6 +32,16 @@ def check(fn, ts, mesh, placements, expected_placements=None) -> None:
     if expected_placements is not None:
         assert out.placements == expected_placements
     assert_close(out, fn(*ts), exact=len(mesh.devices) == 1)
+
+
+def check_row(fn, name, ts, mesh, placements, expected) -> None:
+    """A row of a rule table: ``expected`` None means ``dtorch.<name>`` refuses the layout with
+    a ValueError that names a redistribute; else the result has placements ``expected``."""
+    if expected is None:
+        with pytest.raises(ValueError, match=rf"dtorch\.{name}.*redistribute"):
+            run(fn, ts, mesh, placements)
+        return
+    check(fn, ts, mesh, placements, expected)
 
 
 # -- the affine ops: addmm, baddbmm, linear ------------------------------------------------------
@@ -79,11 +76,7 @@ ADDMM_1D = [
                               for s, c, a, b, _ in ADDMM_1D])
 def test_addmm_rows(sc, pc, pa, pb, expected, mesh1):
     ts = [sample(sc, seed=2), sample((5, 4)), sample((4, 6), seed=1)]
-    if expected is None:
-        with pytest.raises(ValueError, match=r"dtorch\.addmm.*redistribute"):
-            run(ADDMM, ts, mesh1, [pc, pa, pb])
-        return
-    check(ADDMM, ts, mesh1, [pc, pa, pb], expected)
+    check_row(ADDMM, "addmm", ts, mesh1, [pc, pa, pb], expected)
 
 
 def test_addmm_refusal_names_the_local_chunk(mesh1):
@@ -136,11 +129,7 @@ LINEAR_1D = [
                               f"{pb and placements_str(pb)}" for s, x, w, pb, _ in LINEAR_1D])
 def test_linear_rows(sx, px, pw, pb, expected, mesh1):
     ts = [sample(sx), sample((6, 4), seed=1), None if pb is None else sample((6,), seed=2)]
-    if expected is None:
-        with pytest.raises(ValueError, match=r"dtorch\.linear.*redistribute"):
-            run(torch_linear, ts, mesh1, [px, pw, pb])
-        return
-    check(torch_linear, ts, mesh1, [px, pw, pb], expected)
+    check_row(torch_linear, "linear", ts, mesh1, [px, pw, pb], expected)
 
 
 def test_linear_on_one_device_is_bit_identical(one):

@@ -13,16 +13,25 @@ import operator
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import event, given, strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.placement import placements_str
-from helpers import assert_close, distribute
+from helpers import (
+    aligned_placements,
+    assert_close,
+    check_like_torch,
+    distribute,
+    fixture_settings,
+    layout_fixture,
+    layout_id,
+    lib,
+    sample,
+)
 
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
-HYPOTHESIS = settings(max_examples=30, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = fixture_settings(30)
 
 # (mesh fixture, placements) for 2-D tensors: even and nested shards, Replicate mixed in
 LAYOUTS_2D = [
@@ -32,53 +41,7 @@ LAYOUTS_2D = [
 ]
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-def layout_id(layout) -> str:
-    return f"{layout[0]}-{placements_str(layout[1])}"
-
-
-@pytest.fixture(params=LAYOUTS_2D, ids=layout_id)
-def layout(request):
-    """(mesh, placements, exact): exact (bit-identical) on the one-device mesh."""
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements), name == "one"
-
-
-def sample(shape, dtype=torch.float32, seed=0, positive=False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(1 if positive else 0, 2, shape, generator=g).bool()
-    if not dtype.is_floating_point:
-        return torch.randint(1 if positive else -5, 6, shape, generator=g, dtype=dtype)
-    t = torch.randn(shape, generator=g, dtype=dtype)
-    return t.abs() + 0.5 if positive else t
-
-
-def aligned(placements, out_shape, shape) -> list:
-    """Placements of an operand of ``shape`` broadcast to ``out_shape`` that follow the output's
-    shards (Replicate where it broadcasts)."""
-    off = len(out_shape) - len(shape)
-    out = []
-    for p in placements:
-        d = p.dim - off if p.is_shard() else -1
-        out.append(Shard(d) if d >= 0 and shape[d] == out_shape[p.dim] else R)
-    return out
-
-
-def check(fn, xs, ts, exact=False) -> None:
-    """``fn`` on dtorch tensors ``xs`` gives ``fn`` on torch tensors ``ts``, or raises the
-    same exception type as torch, at the call."""
-    try:
-        expected = fn(*ts)
-    except Exception as e:  # noqa: BLE001 - whatever torch raises, dtorch must raise too
-        with pytest.raises(type(e)):
-            fn(*xs)
-        return
-    assert_close(fn(*xs), expected, exact)
+layout = layout_fixture(LAYOUTS_2D)
 
 
 def replicated(mesh) -> list:
@@ -113,7 +76,8 @@ def test_unary_dtypes(name, dtype, mesh2, one):
     (abs of bool, neg of bool)."""
     t = sample((5, 7), dtype, positive=True)
     for mesh, placements, exact in ((mesh2, [S1, S0], False), (one, [R], True)):
-        check(lambda v: getattr(v, name)(), [distribute(t, mesh, placements)], [t], exact)
+        x = distribute(t, mesh, placements)
+        check_like_torch(lambda v: getattr(v, name)(), [x], [t], exact)
 
 
 def test_unary_dunders_and_dtypes(mesh1):
@@ -144,7 +108,7 @@ def test_binary_tensors(op, other_shape, layout):
     fn = BINARY[op]
     a, b = sample((5, 7), positive=True), sample(other_shape, seed=1, positive=True)
     x = distribute(a, mesh, placements)
-    for b_placements in (aligned(placements, (5, 7), other_shape), replicated(mesh)):
+    for b_placements in (aligned_placements(placements, (5, 7), other_shape), replicated(mesh)):
         y = distribute(b, mesh, b_placements)
         out = fn(x, y)
         assert out.placements == placements  # the Replicate side is chunked locally
@@ -159,8 +123,8 @@ def test_binary_scalars_both_sides(op, scalar, layout):
     fn = BINARY[op]
     a = sample((5, 7), positive=True)
     x = distribute(a, mesh, placements)
-    check(lambda t: fn(t, scalar), [x], [a], exact)
-    check(lambda t: fn(scalar, t), [x], [a], exact)
+    check_like_torch(lambda t: fn(t, scalar), [x], [a], exact)
+    check_like_torch(lambda t: fn(scalar, t), [x], [a], exact)
 
 
 DTYPE_PAIRS = [
@@ -176,11 +140,11 @@ def test_type_promotion(op, da, db, mesh2):
     fn = BINARY[op]
     a, b = sample((5, 7), da, positive=True), sample((7,), db, seed=1, positive=True)
     x, y = distribute(a, mesh2, [S0, S1]), distribute(b, mesh2, [R, S0])
-    check(fn, [x, y], [a, b])
-    check(fn, [y, x], [b, a])
+    check_like_torch(fn, [x, y], [a, b])
+    check_like_torch(fn, [y, x], [b, a])
     for scalar in (3, 1.5, False):
-        check(lambda t: fn(t, scalar), [x], [a])
-        check(lambda t: fn(scalar, t), [x], [a])
+        check_like_torch(lambda t: fn(t, scalar), [x], [a])
+        check_like_torch(lambda t: fn(scalar, t), [x], [a])
 
 
 def test_zero_dim_operand_promotes_as_torch(mesh1):
@@ -229,7 +193,7 @@ def test_inplace(op, other, layout):
         b = b.abs() + 0.5
         y = y.abs() + 0.5
     else:
-        y = distribute(b, mesh, aligned(placements, (5, 7), b.shape))
+        y = distribute(b, mesh, aligned_placements(placements, (5, 7), b.shape))
     x_before = x
     x = fn(x, y)
     assert x is x_before and x.placements == placements
@@ -277,10 +241,6 @@ def test_inplace_may_not_change_dtype_or_layout(mesh1):
 def rep(t):
     """Replicate on a dtorch tensor; the identity on a torch one (so a lambda runs on both)."""
     return t.redistribute(placements=[R]) if isinstance(t, dtorch.Tensor) else t
-
-
-def lib(t):
-    return dtorch if isinstance(t, dtorch.Tensor) else torch
 
 
 PARTIAL_LINEAR = {

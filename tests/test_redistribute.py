@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard
-from helpers import assert_close, distribute
+from helpers import assert_close, distribute, fixture_settings
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -288,8 +288,7 @@ def genuine(mesh, src, t_shape, seed):
     return distribute(t, mesh, src), t
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@fixture_settings(40)
 @given(cases(), st.integers(0, 1000))
 def test_any_pair(mesh1, mesh2, mesh3, case, seed):
     mesh_index, shape, src, dst = case

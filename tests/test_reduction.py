@@ -13,41 +13,47 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import event, given, strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.placement import placements_str
-from helpers import assert_close, distribute
+from helpers import TORCH_RAISED, assert_close, distribute, fixture_settings, torch_expected
 
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
-HYPOTHESIS = settings(max_examples=40, deadline=None,
-                      suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = fixture_settings(40)
 
 
-def _dim_kw(dim, keepdim):
-    return {} if dim is None else {"dim": dim, "keepdim": keepdim}
+def reduce_by(method, *args, **kwargs):
+    """fn(x, dim, keepdim) calling ``x.<method>(*args, dim=dim, keepdim=keepdim, **kwargs)``,
+    on torch and dtorch tensors alike; dim None reduces over all dims (no dim= passed)."""
+
+    def fn(x, dim, keepdim):
+        dim_kw = {} if dim is None else {"dim": dim, "keepdim": keepdim}
+        return getattr(x, method)(*args, **dim_kw, **kwargs)
+
+    return fn
 
 
 # name -> fn(x, dim, keepdim) on torch and dtorch tensors alike (a method call)
 OPS = {
-    "sum": lambda x, d, k: x.sum(**_dim_kw(d, k)),
-    "mean": lambda x, d, k: x.mean(**_dim_kw(d, k)),
-    "prod": lambda x, d, k: x.prod(**_dim_kw(d, k)),
-    "amax": lambda x, d, k: x.amax(**_dim_kw(d, k)),
-    "amin": lambda x, d, k: x.amin(**_dim_kw(d, k)),
-    "max": lambda x, d, k: x.max(**_dim_kw(d, k)),
-    "min": lambda x, d, k: x.min(**_dim_kw(d, k)),
-    "argmax": lambda x, d, k: x.argmax(**_dim_kw(d, k)),
-    "argmin": lambda x, d, k: x.argmin(**_dim_kw(d, k)),
-    "any": lambda x, d, k: x.any(**_dim_kw(d, k)),
-    "all": lambda x, d, k: x.all(**_dim_kw(d, k)),
-    "std": lambda x, d, k: x.std(**_dim_kw(d, k)),
-    "var": lambda x, d, k: x.var(**_dim_kw(d, k), correction=0),
-    "norm": lambda x, d, k: x.norm(**_dim_kw(d, k)),
-    "norm-inf": lambda x, d, k: x.norm(math.inf, **_dim_kw(d, k)),
-    "norm--inf": lambda x, d, k: x.norm(-math.inf, **_dim_kw(d, k)),
-    "norm-0": lambda x, d, k: x.norm(0, **_dim_kw(d, k)),
+    "sum": reduce_by("sum"),
+    "mean": reduce_by("mean"),
+    "prod": reduce_by("prod"),
+    "amax": reduce_by("amax"),
+    "amin": reduce_by("amin"),
+    "max": reduce_by("max"),
+    "min": reduce_by("min"),
+    "argmax": reduce_by("argmax"),
+    "argmin": reduce_by("argmin"),
+    "any": reduce_by("any"),
+    "all": reduce_by("all"),
+    "std": reduce_by("std"),
+    "var": reduce_by("var", correction=0),
+    "norm": reduce_by("norm"),
+    "norm-inf": reduce_by("norm", math.inf),
+    "norm--inf": reduce_by("norm", -math.inf),
+    "norm-0": reduce_by("norm", 0),
     "logsumexp": lambda x, d, k: x.logsumexp(dim=(0, 1) if d is None else d, keepdim=k),
     "cumsum": lambda x, d, k: x.cumsum(0 if d is None else d),
     "cumprod": lambda x, d, k: x.cumprod(-1 if d is None else d),
@@ -104,22 +110,14 @@ def check(name, fn, t, mesh, placements, refused: bool) -> None:
     the redistribute, after which the fixed call gives torch's values."""
     x = distribute(t, mesh, placements)
     exact = len(mesh.devices) == 1
-    try:
-        expected = fn(t)
-    except Exception as e:  # noqa: BLE001 - whatever torch raises, dtorch raises too
-        with pytest.raises(type(e)):
-            fn(x)
+    expected = torch_expected(fn, [t], [x])
+    if expected is TORCH_RAISED:
         return
     if refused:
         with pytest.raises(ValueError, match=rf"dtorch\.{name.split('-')[0]}.*redistribute"):
             fn(x)
         x = x.redistribute(placements=[R] * len(placements))
     compare(fn(x), expected, exact)
-
-
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
 
 
 # (mesh fixture, placements, shape): uneven shards throughout; (2, 3) over 3 devices and (1, 3)

@@ -17,8 +17,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.placement import placements_str
-from helpers import assert_close, distribute
+from helpers import (
+    TORCH_RAISED,
+    assert_close,
+    distribute,
+    layout_fixture,
+    lib,
+    sample,
+    torch_expected,
+)
 
 R, S0, S1, S2, S3, P = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3), Partial()
 ALL = "all"  # a case that acts on every dim
@@ -31,10 +38,6 @@ LAYOUTS = [
     ("mesh2", (R, S1)), ("mesh2", (S1, S1)), ("mesh2", (P, S2)), ("mesh3", (S0, S1, S2)),
     ("mesh3", (S2, S2, R)),
 ]
-
-
-def lib(x):
-    return dtorch if isinstance(x, dtorch.Tensor) else torch
 
 
 def fn_lib(x):
@@ -91,33 +94,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="session")
-def one():
-    return dtorch.DeviceMesh("cpu", [0])
-
-
-@pytest.fixture(params=LAYOUTS, ids=lambda lay: f"{lay[0]}-{placements_str(lay[1])}")
-def layout(request):
-    name, placements = request.param
-    return request.getfixturevalue(name), list(placements), name == "one"
-
-
-def sample(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if not dtype.is_floating_point:
-        return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
-    return torch.randn(shape, generator=g, dtype=dtype)
-
-
-def compare(out, expected, exact) -> None:
-    if isinstance(expected, tuple):
-        assert isinstance(out, tuple) and len(out) == len(expected)
-        for o, e in zip(out, expected):
-            assert_close(o, e, exact)
-    else:
-        assert_close(out, expected, exact)
+layout = layout_fixture(LAYOUTS)
 
 
 SUGGESTION = re.compile(r"([\w\[\]]+) = [\w\[\]]+\.redistribute\(placements=(\[[^\]]*\])\)")
@@ -137,11 +114,8 @@ def check_case(name, x, t, placements, exact) -> None:
     acted = range(len(shape)) if acted == ALL else acted
     refused = acted != EITHER and any(p.is_shard() and p.dim in acted for p in placements) or (
         refuses_sum and P in placements)
-    try:
-        expected = fn(t)
-    except Exception as e:  # noqa: BLE001 - torch's error type, at the call
-        with pytest.raises(type(e)):
-            fn(x)
+    expected = torch_expected(fn, [t], [x])
+    if expected is TORCH_RAISED:
         return
     if refused:
         with pytest.raises(ValueError, match=r"redistribute"):
@@ -151,7 +125,7 @@ def check_case(name, x, t, placements, exact) -> None:
     except ValueError as e:
         assert refused or acted == EITHER, e
         out = fn(distribute(t, x.device_mesh, suggested_fix(e)))
-    compare(out, expected, exact)
+    assert_close(out, expected, exact)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -277,3 +251,36 @@ def test_reshape_keeps_a_valid_sharding_or_raises(data, mesh1, mesh2):
         assert "redistribute" in str(e)
         out = fn(distribute(t, mesh, suggested_fix(e)))
     assert_close(out, fn(t))
+
+
+# -- chunk: a registry entry with torch's piece sizes ---------------------------------------------
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 9), chunks=st.integers(1, 6), dim=st.sampled_from([0, 1, -1]),
+       sharded=st.sampled_from([None, 0, 1]))
+def test_chunk_sizes(mesh1, n, chunks, dim, sharded):
+    """torch's piece count and sizes (ceil(n / chunks), fewer pieces when they run out, as many
+    empty pieces as asked of an empty dim); the other dim may be sharded (uneven: 5 over 3)."""
+    shape = [n, 5] if dim == 0 else [5, n]
+    t = torch.arange(n * 5, dtype=torch.float32).reshape(shape)
+    cut = dim % 2
+    placements = [R if sharded is None else Shard(sharded)]
+    x = distribute(t, mesh1, placements)
+    if sharded == cut:
+        with pytest.raises(ValueError, match="redistribute"):
+            x.chunk(chunks, dim)
+        return
+    expected = t.chunk(chunks, dim)
+    got = dtorch.chunk(x, chunks, dim=dim)
+    assert isinstance(got, tuple) and len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+        assert g.placements == placements
+
+
+def test_chunk_is_one_registered_view():
+    from dtorch.ops.registry import REGISTRY, VIEW
+
+    assert REGISTRY["chunk"].flags & VIEW and "chunk" in REGISTRY["chunk"].methods

@@ -1,5 +1,5 @@
 """Neural-network operators (``dtorch.nn.functional``): embedding, one_hot, convolutions,
-pooling, interpolate, mse_loss.
+pooling, interpolate, losses (mse_loss, cross_entropy, nll_loss), scaled_dot_product_attention.
 
 The important local case is the batch: samples never meet, so a batch-sharded input (``S(0)``)
 with Replicate weights gives a batch-sharded output on every device's own samples. Pooling and
@@ -155,3 +155,186 @@ register(OpDef("mse_loss", "mse_loss(input: Tensor, target: Tensor, reduction='m
                _mse_loss, loss_rule, uses_context=True, functional=True, function=False,
                meta=lambda input, target, reduction="mean": F.mse_loss(input, target,
                                                                        reduction=reduction)))
+
+
+# -- class losses: cross_entropy, nll_loss --------------------------------------------------------
+# input (N, C, d1, ...) or (C,); target (N, d1, ...) class indices, or (for cross_entropy) class
+# probabilities shaped like the input. A sample's loss needs its whole row of classes, so the class
+# dim and the weight (one per class) are Replicate; samples and positions never meet.
+
+
+def _reduction(size_average=None, reduce=None, reduction="mean", **_) -> str:
+    """torch's reduction, legacy ``size_average``/``reduce`` spellings included."""
+    if size_average is not None or reduce is not None:
+        return F._Reduction.legacy_get_string(size_average, reduce)
+    return reduction
+
+
+def class_loss_rule(call) -> Placed:
+    """A sample dim (any dim but the class dim) sharded alike in input and target shards the
+    per-sample losses ('none'); 'sum' and 'mean' make each device's block a Partial sum of
+    losses (and, for 'mean', of the denominator: a second output), reduced across devices on
+    their own, then divided (see ``class_loss``). Weight Replicate; no Partial input (the log
+    of a softmax is not linear)."""
+    input, target = call.tensors[:2]
+    if len(input.shape) < 2:  # one sample, no batch
+        return expand(call, [])
+    probs = len(target.shape) == len(input.shape)
+    weights = (R,) * (len(call.tensors) - 2)
+    rows = [((Shard(d - (d > 1)),), (Shard(d), Shard(d if probs else d - (d > 1))) + weights)
+            for d in range(len(input.shape)) if d != 1]
+    if _reduction(**call.static) == "none":
+        return expand(call, rows)
+    rows = [((Partial(),) * len(call.outs), ins) for _, ins in rows]
+    placed = expand(call, rows)
+    if Partial() not in placed.outs[0]:
+        return placed
+    post = tuple(R for _ in placed.outs[0])
+    return placed._replace(post=(post,) * len(call.outs))
+
+
+def _count(input, target, weight, ignore_index):
+    """The denominator of torch's 'mean' for this block: the total weight of the targets that
+    are not ignored (their count without weights), or the number of samples for class
+    probabilities."""
+    if target.dtype.is_floating_point:
+        return torch.tensor(input.numel() // max(input.shape[1 if input.dim() > 1 else 0], 1),
+                            dtype=input.dtype, device=input.device)
+    kept = target != ignore_index
+    if weight is None:
+        return kept.sum().to(input.dtype)
+    return (weight[target.masked_fill(~kept, 0).long()] * kept).sum()
+
+
+def class_loss(fn):
+    """``fn`` (F.cross_entropy or F.nll_loss). Reduced over a sharded batch, a 'mean' is value
+    dependent (the count of kept targets, or their total weight), so each device returns its
+    block's (sum, denominator) as two Partial sums and the call divides once they are reduced;
+    otherwise torch's own, with a denominator of 1 (bit for bit: x / 1 == x)."""
+
+    def kernel(ctx, input, target, weight=None, size_average=None, ignore_index=-100,
+               reduce=None, reduction="mean", **smoothing):
+        reduction = _reduction(size_average, reduce, reduction)
+        partial = any(isinstance(p, Partial) for p in ctx.out_specs[0].placements)
+        if reduction != "mean" or not partial:
+            loss = fn(input, target, weight, ignore_index=ignore_index, reduction=reduction,
+                      **smoothing)
+            return (loss, torch.ones_like(loss)) if reduction == "mean" else loss
+        total = fn(input, target, weight, ignore_index=ignore_index, reduction="sum",
+                   **smoothing)
+        return total, _count(input, target, weight, ignore_index)
+
+    return kernel
+
+
+def class_loss_meta(fn):
+    """torch on meta tensors gives the shapes, but skips checks its CPU kernel makes (target
+    dtype, weight dtype and size): these run on small real tensors of the same dtypes first.
+    'mean' has two outputs (see ``class_loss``)."""
+
+    def meta(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean", **smoothing):
+        kw = {"ignore_index": ignore_index, "reduction": _reduction(size_average, reduce,
+                                                                    reduction), **smoothing}
+        fn(*_small(input, target, weight), **kw)
+        loss = fn(input, target, weight, **kw)
+        return (loss, loss) if kw["reduction"] == "mean" else loss
+
+    return meta
+
+
+def _small(input, target, weight) -> tuple:
+    """One sample of each (every dim 1 but the classes), on the CPU, class 0 as the target."""
+    shape = [1] * input.dim()
+    shape[1 if input.dim() > 1 else 0] = input.shape[1 if input.dim() > 1 else 0]
+    small = torch.zeros(shape, dtype=input.dtype)
+    probs = target.dim() == input.dim() and target.dtype.is_floating_point
+    tiny = torch.zeros(shape if probs else [1] * target.dim(), dtype=target.dtype)
+    return small, tiny, None if weight is None else torch.ones(weight.shape, dtype=weight.dtype)
+
+
+def _divide(result):
+    """'mean' comes back as (sum, denominator), both reduced: their quotient is the loss."""
+    return result[0] / result[1] if isinstance(result, tuple) else result
+
+
+LOSS = "input: Tensor, target: Tensor, weight: Tensor = None, size_average=None, " \
+       "ignore_index=-100, reduce=None, reduction='mean'"
+for _name, _extra in (("cross_entropy", ", label_smoothing=0.0"), ("nll_loss", "")):
+    _fn = getattr(F, _name)
+    register(OpDef(_name, f"{_name}({LOSS}{_extra})", class_loss(_fn), class_loss_rule,
+                   meta=class_loss_meta(_fn), result=_divide, uses_context=True,
+                   functional=True, function=False))
+
+
+# -- attention ------------------------------------------------------------------------------------
+# query (..., Hq, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev) -> (..., Hq, L, Ev); the mask
+# broadcasts to (..., Hq, L, S). Each (batch, head) pair attends on its own, so the leading dims
+# shard alike; a position attends to every key position, so L, S and the embedding dims are whole
+# (context parallel would need a ring of key/value blocks).
+
+
+def attention_rule(call) -> Placed:
+    """A leading dim sharded alike in every operand of its full size (one that broadcasts it
+    stays Replicate) shards the output there. With GQA (Hk < Hq), query head h reads key head
+    h // (Hq / Hk): array_split blocks of the two head dims do not line up, so the query heads
+    shard with key and value heads Replicate (each device picks its heads' keys, see
+    ``_attention``). The output is linear in value: a Partial value with the rest Replicate
+    gives a Partial."""
+    out = call.outs[0][0]
+    shapes = [s.shape for s in call.tensors]
+    gqa = shapes[1][-3:-2] != shapes[0][-3:-2]
+    rows = []
+    for d in range(len(out) - 2):
+        ins = [_along(shape, d, out) for shape in shapes]
+        if gqa and d == len(out) - 3:
+            ins[1] = ins[2] = R
+        if all(ins) and any(p != R for p in ins):  # None: a size neither full nor 1
+            rows.append(((Shard(d),), tuple(ins)))
+    for p in LINEAR_PARTIALS:
+        rows.append(((p,), tuple(p if k == 2 else R for k in range(len(shapes)))))
+    return expand(call, rows)
+
+
+def _along(shape, d, out):
+    """An operand's placement when the output's dim ``d`` is sharded: Shard of its matching dim,
+    Replicate where it broadcasts (missing or size 1), None where it can do neither."""
+    di = d - (len(out) - len(shape))
+    if di >= 0 and shape[di] == out[d]:
+        return Shard(di)
+    return R if di < 0 or shape[di] == 1 else None
+
+
+def _attention(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+               scale=None, enable_gqa=False):
+    """torch's own; with GQA and this device holding a block of the query heads (keys whole),
+    the key and value heads those query heads read (head h reads h // (Hq / Hk))."""
+    q_spec, k_spec = ctx.in_specs[0], ctx.in_specs[1]
+    if enable_gqa and query.dim() > 2 and query.shape[-3] != q_spec.shape[-3]:
+        _, offsets = q_spec.local_region(ctx.coord)
+        group = q_spec.shape[-3] // k_spec.shape[-3]
+        first = offsets[len(q_spec.shape) - 3]
+        heads = torch.arange(first, first + query.shape[-3], device=key.device) // group
+        key, value = key.index_select(-3, heads), value.index_select(-3, heads)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+def _attention_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                    scale=None, enable_gqa=False):
+    if dropout_p > 0:
+        raise NotImplementedError("dtorch.scaled_dot_product_attention: dropout_p > 0 is not "
+                                  "supported yet; apply dtorch.nn.functional.dropout to the "
+                                  "attention weights of an explicit softmax(q @ k.T) @ v")
+    # torch's meta kernel refuses a mask with is_causal, which its CPU kernel combines (a mask
+    # and the causal triangle): the shapes are the same either way
+    causal = is_causal and attn_mask is None
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, causal,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+register(OpDef("scaled_dot_product_attention",
+               "scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, "
+               "attn_mask: Tensor = None, dropout_p=0.0, is_causal=False, *, scale=None, "
+               "enable_gqa=False)", _attention, attention_rule, meta=_attention_meta,
+               uses_context=True, functional=True, function=False))

@@ -253,6 +253,26 @@ for _name, _identity in (("max", _lowest), ("min", _highest)):
                    # with dim, torch's named tuple (.values, .indices)
                    result=lambda r, _returns=_returns: _returns(r) if isinstance(r, tuple) else r))
 
+
+def with_elementwise(reduce, elementwise: str):
+    """torch.max/min are also torch.maximum/minimum when a tensor comes in ``dim``'s place (or
+    as ``other=``): the front picks the form by the argument's type, as torch's overloads do; a
+    dim (int, sequence, None) is the reduction ``reduce``."""
+
+    def front(input, dim=None, keepdim=False, *, other=None):
+        if other is None and (dim is None or isinstance(dim, (int, tuple, list))):
+            return reduce(input, dim, keepdim)
+        given = [a for a in (dim, other) if a is not None]
+        if keepdim or len(given) != 1 or isinstance(given[0], (bool, int, float, complex)):
+            raise TypeError(f"{reduce.__name__}() received an invalid combination of arguments; "
+                            f"expected (input, dim=None, keepdim=False) or (input, other: Tensor)")
+        return getattr(input, elementwise)(given[0])
+
+    front.__name__ = front.__qualname__ = reduce.__name__
+    front.__doc__ = reduce.__doc__
+    return front
+
+
 for _name in ("argmax", "argmin", "any", "all", "logsumexp", "cumsum", "cumprod"):
     _fn = getattr(torch, _name)
     _sig = {"logsumexp": "dim, keepdim=False", "cumsum": "dim, *, dtype=None",

@@ -243,12 +243,15 @@ register(OpDef("roll", "roll(input: Tensor, shifts, dims=None)", torch.roll,
                moving_rule(_all_dims_if_none("dims")), methods=("roll",)))
 register(OpDef("narrow", "narrow(input: Tensor, dim, start, length)", torch.narrow,
                moving_rule(_at("dim")), methods=("narrow",), flags=VIEW))
-# split and unbind (and chunk, a front over split: its name is a redistribute step's on the
-# wire) cut one dim into several results: along any other dim each piece's
-# block is the local block's piece. unbind removes its dim, renumbering the ones after it.
+# split, chunk and unbind cut one dim into several results: along any other dim each piece's
+# block is the local block's piece (the cut dim is whole on every device, so each device cuts it
+# into as many pieces, of torch's sizes). unbind removes its dim, renumbering the ones after it.
 register(OpDef("split", "split(tensor: Tensor, split_size_or_sections, dim=0)",
                _parts(torch.split), moving_rule(_at("dim")), meta=torch.split,
                methods=("split",), flags=VIEW, result=_as_tuple))
+register(OpDef("chunk", "chunk(input: Tensor, chunks, dim=0)", _parts(torch.chunk),
+               moving_rule(_at("dim")), meta=torch.chunk, methods=("chunk",), flags=VIEW,
+               result=_as_tuple))
 register(OpDef("unbind", "unbind(input: Tensor, dim=0)", _parts(torch.unbind),
                moving_rule(_at("dim"), lambda d, ndim, dim=0: d - (d > dim % ndim)),
                meta=torch.unbind, methods=("unbind",), flags=VIEW, result=_as_tuple))
