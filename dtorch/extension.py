@@ -308,9 +308,4 @@ def _install(op, front) -> None:
     import dtorch
     from dtorch.nn import functional
 
-    if op.function:
-        setattr(dtorch, op.name, front)
-    if op.functional:
-        setattr(functional, op.name, front)
-    for method in op.methods:
-        setattr(Tensor, method, front)
+    frontend.place(op, front, dtorch, functional, Tensor)

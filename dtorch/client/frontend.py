@@ -60,14 +60,18 @@ def generate(op, dispatch_fn=dispatch):
     return fn
 
 
+def place(op, fn, module, functional, tensor_cls) -> None:
+    """Puts ``fn``, the front of ``op``, where its entry asks: ``module`` (``dtorch``),
+    ``functional`` (``dtorch.nn.functional``) and methods of ``tensor_cls``."""
+    if op.function:
+        setattr(module, op.name, fn)
+    if op.functional:
+        setattr(functional, op.name, fn)
+    for method in op.methods:
+        setattr(tensor_cls, method, fn)
+
+
 def install(module, functional, tensor_cls) -> None:
-    """Adds every registered operator to ``module`` (``dtorch``), ``functional``
-    (``dtorch.nn.functional``) and ``tensor_cls`` as its entry asks."""
+    """Adds every registered operator's front (see ``place``)."""
     for op in REGISTRY.values():
-        fn = generate(op)
-        if op.function:
-            setattr(module, op.name, fn)
-        if op.functional:
-            setattr(functional, op.name, fn)
-        for method in op.methods:
-            setattr(tensor_cls, method, fn)
+        place(op, generate(op), module, functional, tensor_cls)
