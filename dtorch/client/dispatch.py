@@ -130,7 +130,9 @@ def bind(s, op, operands, static) -> Bound:
         intern_spec(shape, str(dtype)[6:], mesh, pl)
         for (shape, dtype), pl in zip(outs, placed.outs)
     )
-    inplace = bool(op.flags & INPLACE)
+    # torch's ``inplace=True`` argument makes that call an in-place one
+    flags = op.flags | (INPLACE if kw.get("inplace") is True else 0)
+    inplace = bool(flags & INPLACE)
     # the metadata rule has refused shape and dtype changes as torch does; placements remain
     if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and placed.pre[0]):
         raise inplace_error(call, placed)
@@ -147,7 +149,7 @@ def bind(s, op, operands, static) -> Bound:
             for spec, target in zip(out_specs, placed.post)
         )
     static_wire = tuple(v for k, v in kw.items() if k not in CLIENT_ONLY)
-    call_id = define_call(s, op.name, inputs, out_specs, static_wire, op.flags)
+    call_id = define_call(s, op.name, inputs, out_specs, static_wire, flags)
     mask = tuple(isinstance(o, Tensor) for o in operands)
     return Bound(call_id, out_specs, mask, pre, post, inplace)
 

@@ -4,8 +4,8 @@ Pointwise activations shard like unary elementwise ops. Ops that mix elements al
 (softmax over ``dim``, layer_norm and rms_norm over the normalized dims, group_norm over channels
 and space) need those dims whole on each device: they accept a Shard only on the dims they treat
 independently, and a Shard elsewhere raises a ValueError naming the ``redistribute()`` to
-Replicate. None of them redistributes on its own. ``inplace=True`` is refused (NotImplementedError
-naming the in-place form or an assignment): an in-place write needs its own entry (``relu_``).
+Replicate. None of them redistributes on its own. ``inplace=True`` makes the call in-place (the
+client flags that call shape INPLACE), as do the ``_`` entries (``relu_``).
 
 >>> import dtorch, torch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -26,21 +26,6 @@ from .registry import INPLACE, VIEW, OpDef, register
 from .rules import LINEAR_PARTIALS, R, expand, pointwise
 
 MAX_MIN = (Partial("max"), Partial("min"))
-
-
-def refuse_inplace(rule):
-    """An ``inplace=True`` call would have to write its operand; only the ``_`` entries do."""
-
-    def checked(call):
-        if call.static.get("inplace"):
-            name = call.op.name
-            fix = (f"dtorch.nn.functional.{name}_(x)" if hasattr(F, name + "_")
-                   else f"x = dtorch.nn.functional.{name}(x)")
-            raise NotImplementedError(
-                f"dtorch.nn.functional.{name}: inplace=True is not supported; use {fix}")
-        return rule(call)
-
-    return checked
 
 
 # -- pointwise activations ------------------------------------------------------------------------
@@ -66,7 +51,7 @@ POINTWISE = [
 for name, tail, partials, inplace in POINTWISE:
     rule = pointwise(linear=(0,), partials=partials)
     fn = getattr(F, name)
-    register(OpDef(name, f"{name}(input: Tensor{tail})", fn, refuse_inplace(rule),
+    register(OpDef(name, f"{name}(input: Tensor{tail})", fn, rule,
                    meta=probed(fn), methods=(name,) if hasattr(torch.Tensor, name) else (),
                    function=hasattr(torch, name), functional=True))
     if inplace:
@@ -226,15 +211,16 @@ def _dropout(ctx, input, seed, p=0.5, training=True, inplace=False):
     if not training:
         return input
     if p == 1:
-        return input * torch.zeros((), dtype=input.dtype, device=input.device)
-    g = torch.Generator(device=input.device).manual_seed(block_seed(seed, ctx.out_offsets))
-    noise = torch.empty_like(input).bernoulli_(1 - p, generator=g).div_(1 - p)
-    return input * noise
+        noise = torch.zeros((), dtype=input.dtype, device=input.device)
+    else:
+        g = torch.Generator(device=input.device).manual_seed(block_seed(seed, ctx.out_offsets))
+        noise = torch.empty_like(input).bernoulli_(1 - p, generator=g).div_(1 - p)
+    return input.mul_(noise) if inplace else input * noise
 
 
 register(OpDef("dropout", "dropout(input: Tensor, seed: Tensor, p=0.5, training=True, "
                "inplace=False)", _dropout,
-               refuse_inplace(pointwise(linear=(0,), partials=LINEAR_PARTIALS)),
+               pointwise(linear=(0,), partials=LINEAR_PARTIALS),
                meta=lambda input, seed, p, training, inplace: F.dropout(input, p, training),
                uses_context=True, function=False, flags=VIEW,
                doc="Use dtorch.nn.functional.dropout, which draws the seed operand."))
