@@ -1,7 +1,8 @@
 """dtorch.nn.functional: torch.nn.functional's names on distributed tensors.
 
-The functions here are generated from the operator registry (entries with ``functional=True``),
-like the ones under ``dtorch.``; this module only gives them torch's namespace.
+Most functions here are generated from the operator registry (entries with
+``functional=True``), like the ones under ``dtorch.``. The few written out below need more than a
+signature (dropout draws its seed operand on the client).
 """
 
 from ..client.dispatch import call_op as _call_op
