@@ -282,3 +282,15 @@ def test_factory_errors_are_torch_errors():
             fn(torch)
         with pytest.raises(expected.type):
             fn(dtorch)
+
+
+def test_equal_static_values_of_other_types_are_other_calls():
+    """6 == 6.0 in Python, yet arange(6) is int64 and arange(6.) float32: the rule cache must
+    not mistake one call for the other."""
+    assert dtorch.arange(6).dtype == torch.int64
+    assert dtorch.arange(6.0).dtype == torch.float32
+    assert dtorch.full((2,), 1).dtype == torch.int64
+    assert dtorch.full((2,), 1.0).dtype == torch.float32
+    assert dtorch.full((2,), True).dtype == torch.bool
+    x = dtorch.arange(4)
+    assert x.clamp(min=0).dtype == torch.int64 and x.clamp(min=0.5).dtype == torch.float32

@@ -47,7 +47,10 @@ def dispatch(op, operands: tuple, static: tuple):
     s = _session._current
     if s is None or s.closed or s.fatal is not None:
         s = _session.current()  # starts the runtime, or raises its failure
-    key = (op, static, *[o._spec if isinstance(o, Tensor) else type(o) for o in operands])
+    # static args' types are part of the key: 6 == 6.0 in Python, but arange(6) is int64 and
+    # arange(6.) float32
+    kinds = tuple(map(type, static)) if static else ()
+    key = (op, static, kinds, *[o._spec if isinstance(o, Tensor) else type(o) for o in operands])
     try:
         bound = s.bound.get(key)
     except TypeError:  # a list among the static args
@@ -64,7 +67,7 @@ def issue(s, b: Bound, operands, site: int):
         operands = list(operands)
         for k, rb in b.pre:
             operands[k] = issue(s, rb, (operands[k],), site)
-    vals = [o._id if m else o for o, m in zip(operands, b.mask)]
+    vals = _wire_operands(operands, b.mask)
     if b.inplace:
         target = operands[0]
         s.append((P.OP, b.call_id, site, 0, target._id, *vals))
@@ -86,6 +89,18 @@ def issue(s, b: Bound, operands, site: int):
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)
+
+
+def _wire_operands(operands, mask) -> tuple:
+    """Tensor operands travel as ids, Python scalars as values. One and two operands, the usual
+    cases, are spelled out: this runs for every operator."""
+    if len(operands) == 1:
+        a = operands[0]
+        return (a._id if mask[0] else a,)
+    if len(operands) == 2:
+        a, c = operands
+        return (a._id if mask[0] else a, c._id if mask[1] else c)
+    return tuple(o._id if m else o for o, m in zip(operands, mask))
 
 
 # -- binding (cache miss) -------------------------------------------------------------------------
