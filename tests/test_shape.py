@@ -284,3 +284,15 @@ def test_chunk_is_one_registered_view():
     from dtorch.ops.registry import REGISTRY, VIEW
 
     assert REGISTRY["chunk"].flags & VIEW and "chunk" in REGISTRY["chunk"].methods
+
+
+def test_torch_aliases_and_flip_dims_spellings(mesh1):
+    t = sample((4, 5, 3))
+    x = distribute(t, mesh1, [Shard(0)])
+    assert_close(dtorch.swapaxes(x, 1, 2), torch.swapaxes(t, 1, 2))
+    assert_close(x.swapdims(1, 2), t.swapdims(1, 2))
+    assert_close(dtorch.moveaxis(x, 2, 1), torch.moveaxis(t, 2, 1))
+    assert_close(dtorch.concatenate([x, x], 1), torch.concatenate([t, t], 1))
+    assert_close(x.flip(1, 2), t.flip(1, 2))
+    assert_close(dtorch.flip(x, (1, 2)), torch.flip(t, (1, 2)))
+    assert_close(x.flip(2), t.flip(2))

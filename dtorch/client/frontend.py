@@ -69,6 +69,10 @@ def place(op, fn, module, functional, tensor_cls) -> None:
         setattr(functional, op.name, fn)
     for method in op.methods:
         setattr(tensor_cls, method, fn)
+    for alias in op.aliases:
+        setattr(module, alias, fn)
+        if op.methods:
+            setattr(tensor_cls, alias, fn)
 
 
 def install(module, functional, tensor_cls) -> None:

@@ -30,6 +30,7 @@ class OpDef:
     methods: tuple = ()  # Tensor method names ("add", "__add__")
     function: bool = True  # exported as dtorch.<name>
     functional: bool = False  # exported as dtorch.nn.functional.<name> too
+    aliases: tuple = ()  # torch's other names for it (functions, and methods where it has some)
     flags: int = 0
     uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
     result: Callable | None = None  # wraps what a call returns (torch's named tuples)

@@ -128,7 +128,8 @@ register(OpDef("squeeze", "squeeze(input: Tensor, dim=None)", _squeeze, reshape_
                methods=("squeeze",), flags=VIEW, uses_context=True,
                meta=lambda input, dim=None: input.squeeze() if dim is None else input.squeeze(dim)))
 register(OpDef("transpose", "transpose(input: Tensor, dim0, dim1)", torch.transpose,
-               permute_rule(_transpose_perm), methods=("transpose",), flags=VIEW))
+               permute_rule(_transpose_perm), methods=("transpose",), flags=VIEW,
+               aliases=("swapaxes", "swapdims")))
 register(OpDef("permute", "permute(input: Tensor, *dims)", torch.permute,
                permute_rule(lambda ndim, dims: [d % ndim for d in dims]), methods=("permute",),
                flags=VIEW))
@@ -153,7 +154,8 @@ def _movedim_perm(ndim, source, destination) -> list:
 
 
 register(OpDef("movedim", "movedim(input: Tensor, source, destination)", torch.movedim,
-               permute_rule(_movedim_perm), methods=("movedim",), flags=VIEW))
+               permute_rule(_movedim_perm), methods=("movedim",), flags=VIEW,
+               aliases=("moveaxis",)))
 register(OpDef("unflatten", "unflatten(input: Tensor, dim, sizes)",
                lambda ctx, input, dim, sizes: input.reshape(ctx.out_local_shape), reshape_rule,
                meta=torch.unflatten, methods=("unflatten",), flags=VIEW, uses_context=True))
@@ -235,8 +237,8 @@ def _all_dims_if_none(dim_name):
 
 # flip, roll and narrow move elements across a dim (and the result's shards would not be the
 # input's array_split blocks): only that dim must be Replicate. A roll without dims flattens.
-# (x.flip(0) as the method: one dim may come as an int)
-register(OpDef("flip", "flip(input: Tensor, dims)",
+# (dims as torch takes them: flip(x, (0, 1)), x.flip(0, 1) or x.flip(0))
+register(OpDef("flip", "flip(input: Tensor, *dims)",
                lambda input, dims: torch.flip(input, _dims(dims)),
                moving_rule(lambda ndim, dims: _dims(dims)), methods=("flip",)))
 register(OpDef("roll", "roll(input: Tensor, shifts, dims=None)", torch.roll,
@@ -374,8 +376,6 @@ def cat_rule(call) -> Placed:
 
 
 register(OpDef("cat", "cat(tensors: TensorList, dim=0)", lambda *ts, dim=0: torch.cat(ts, dim),
-               cat_rule))
-register(OpDef("concat", "concat(tensors: TensorList, dim=0)",
-               lambda *ts, dim=0: torch.cat(ts, dim), cat_rule))
+               cat_rule, aliases=("concat", "concatenate")))
 register(OpDef("stack", "stack(tensors: TensorList, dim=0)",
                lambda *ts, dim=0: torch.stack(ts, dim), cat_rule))
