@@ -15,6 +15,8 @@ import itertools
 
 import torch
 
+from . import spec
+
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -61,12 +63,8 @@ class DeviceMesh:
         return itertools.product(*(range(s) for s in self.shape))
 
     def coordinate_of(self, device: int) -> tuple:
-        index = self.devices.index(device)
-        coord = []
-        for s in reversed(self.shape):
-            index, c = divmod(index, s)
-            coord.append(c)
-        return tuple(reversed(coord))
+        """The mesh coordinate of ``device``."""
+        return spec.coordinate_of(self, device)
 
     # -- sub-meshes ---------------------------------------------------------------------------
     def _dim_index(self, dim) -> int:
