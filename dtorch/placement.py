@@ -146,14 +146,3 @@ def local_region(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tupl
 
 def local_shape(shape, mesh_shape, placements, coord) -> tuple:
     return local_region(tuple(shape), tuple(mesh_shape), tuple(placements), tuple(coord))[0]
-
-
-def is_even(shape, mesh_shape, placements) -> bool:
-    """True when every shard of the layout has the same size."""
-    sizes = list(shape)
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if sizes[p.dim] % mesh_shape[i]:
-                return False
-            sizes[p.dim] //= mesh_shape[i]
-    return True

@@ -11,7 +11,8 @@ other streams.
 Client -> controller (a batch of records):
     DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
     Op, release (int), Fetch, Sync, SetGraph, Shutdown
-Controller -> hosts (a batch): the Define* records, then Kernel, release, HostFetch, Sync
+Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait when it must wait
+    for other streams), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
 Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
 """
@@ -92,11 +93,12 @@ class SetGraph(NamedTuple):
 
 
 class HostFetch(NamedTuple):
+    """A Fetch placed on the stream that last wrote the tensor: it needs no waits."""
+
     tag: int
     id: int
     request: int
     stream: int
-    waits: list
 
 
 class Value(NamedTuple):

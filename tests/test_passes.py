@@ -90,7 +90,7 @@ def test_a_result_read_twice_or_fetched_breaks_the_chain():
     g = make_graph()
     nodes = [op(g, 1, 11, 10, 2.0), op(g, 1, 12, 11, 3.0), op(g, 1, 13, 11, 4.0), 11]
     assert kinds(fuse_chains(g, assign_streams(g, nodes))) == ["mul", "mul", "mul", "release 11"]
-    nodes = [op(g, 1, 11, 10, 2.0), op(g, 1, 12, 11, 3.0), [P.FETCH, 11, 1, 1, []], 11]
+    nodes = [op(g, 1, 11, 10, 2.0), op(g, 1, 12, 11, 3.0), [P.FETCH, 11, 1, 1], 11]
     assert kinds(fuse_chains(g, nodes)) == ["mul", "mul", f"tag {P.FETCH}", "release 11"]
 
 

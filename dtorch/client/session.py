@@ -55,7 +55,8 @@ def _start() -> Session:
 def release(tensor_id: int) -> None:
     """Called from Tensor.__del__: queue the release with the operators. Like an operator, the
     first record of a batch wakes the flusher, or a drop followed by no other call would keep
-    the memory on the hosts until the next one."""
+    the memory on the hosts until the next one. Unlike ``Session.append`` it never flushes:
+    ``__del__`` may run inside a flush (a garbage collection there), whose lock is held."""
     s = _current
     if s is not None and not s.closed:
         records = s.records

@@ -182,7 +182,7 @@ def assign_streams(graph, nodes: list) -> list:
             out.append(node)
         elif node[0] == P.FETCH:
             s, _ = st.ready.get(node[1], (compute_stream(graph.graph), 0))
-            out.append([P.FETCH, node[1], node[2], s, []])
+            out.append(P.HostFetch(P.FETCH, node[1], node[2], s))
         elif node[0] == P.SET_GRAPH:
             graph.graph = node[1]
         else:

@@ -330,14 +330,17 @@ class Host:
                     self.owners[o] = call.out_devices
             else:
                 outputs = []
-            events = None
-            if waits:
-                events = []
-                for t in waits:
-                    e = Event(self.cuda)
-                    dev.stream(t).put(e.record)
-                    events.append(e)
+            events = self.record_events(dev, waits) if waits else None
             dev.stream(last[3]).put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
+
+    def record_events(self, dev: Device, streams) -> list:
+        """An Event recorded on each of ``streams`` after the work queued there so far."""
+        events = []
+        for t in streams:
+            e = Event(self.cuda)
+            dev.stream(t).put(e.record)
+            events.append(e)
+        return events
 
     def operands(self, call: HostCall, dev: Device, rec, prev) -> list:
         """A kernel's operands on ``dev``: Blobs for tensors (PREV for the chain's previous
@@ -372,7 +375,7 @@ class Host:
             dev.blobs.pop(tensor_id, None)
 
     def on_fetch(self, rec) -> None:
-        _, tensor_id, request, sid, waits = rec
+        _, tensor_id, request, sid = rec
         for dev in self.owners.get(tensor_id, ()):
             blob = dev.blobs.get(tensor_id)
             if blob is None:  # not this runtime's tensor: check_inputs has said so already
@@ -381,17 +384,9 @@ class Host:
             # one block per distinct piece: coordinate 0 on every Replicate mesh dim
             if any(c and p.is_replicate() for c, p in zip(coord, blob.spec.placements)):
                 continue
-            events = []
-            for t in waits:
-                e = Event(self.cuda)
-                dev.stream(t).put(e.record)
-                events.append(e)
-            dev.stream(sid).put(lambda b=blob, c=coord, ev=events: self._send_value(b, c,
-                                                                                  request, ev))
+            dev.stream(sid).put(lambda b=blob, c=coord: self._send_value(b, c, request))
 
-    def _send_value(self, blob: Blob, coord, request: int, events) -> None:
-        for e in events:
-            e.wait()
+    def _send_value(self, blob: Blob, coord, request: int) -> None:
         if blob.error is not None:
             site, op, message = blob.error
             self.send(P.FetchFailed(P.FETCH_FAILED, request, site, op, message))
