@@ -9,6 +9,15 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
 - bind_host (DTORCH_BIND_HOST): the address every socket binds to (zmq, gloo, the rendezvous
   store); loopback by default. Children started later inherit the value in force.
 - shutdown_timeout_s: how long a stopping process waits for its children before killing them.
+- heartbeat_interval_s: how often every runtime process tells its parent it is alive (from a
+  thread of its own, not the kernel queue).
+- heartbeat_timeout_s (DTORCH_HEARTBEAT_TIMEOUT): silence after which a parent declares a child
+  dead (a stopped, deadlocked or vanished process), kills it and fails the runtime.
+- collective_timeout_s (DTORCH_COLLECTIVE_TIMEOUT): deadline of one collective (and of a process
+  group's rendezvous); past it the collective raises, naming the op and its call site.
+- max_inflight_ops (DTORCH_MAX_INFLIGHT_OPS): records the client may have sent but not yet seen
+  executed; past it the user's thread blocks, so memory stays flat however far ahead a program
+  runs.
 """
 
 from __future__ import annotations
@@ -22,6 +31,10 @@ flush_records = 4096
 flush_delay_s = 0.0005
 bind_host = os.environ.get("DTORCH_BIND_HOST", "127.0.0.1")
 shutdown_timeout_s = 5.0
+heartbeat_interval_s = 0.25
+heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
+collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
+max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
 
 
 @contextlib.contextmanager
