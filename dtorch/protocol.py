@@ -1,5 +1,8 @@
 """The whole wire vocabulary between client, controller and hosts, in one place.
 
+Every socket is authenticated and encrypted (ZeroMQ CURVE, keys per runtime; see
+``cluster/auth.py``), so every frame comes from a process of this runtime.
+
 Every message is a tuple whose first field is its tag; batches are msgpack lists of records, sent
 as one frame. Nothing is ever pickled. The hot records stay small and flat: an operator is
 ``(OP, call_id, site, stream, *out_ids, *operands)`` where operands are tensor ids and Python
@@ -140,8 +143,7 @@ class HostReady(NamedTuple):
 
 class Welcome(NamedTuple):
     tag: int
-    store_port: int  # the TCPStore that process groups rendezvous through
-    store_master: bool  # this host serves it
+    store_path: str  # the FileStore that process groups rendezvous through
 
 
 class Fatal(NamedTuple):

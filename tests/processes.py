@@ -65,8 +65,9 @@ def socket_inodes(pid: int) -> set:
     return out
 
 
-def listening_sockets() -> dict:
-    """inode -> local address of each listening TCP socket ("::" style for IPv6)."""
+def listening_sockets(with_port: bool = False) -> dict:
+    """inode -> local address of each listening TCP socket ("::" style for IPv6), as
+    "ip:port" with ``with_port``."""
     out = {}
     for family in ("tcp", "tcp6"):
         with open(f"/proc/net/{family}") as f:
@@ -74,12 +75,12 @@ def listening_sockets() -> dict:
                 fields = line.split()
                 if fields[3] != "0A":  # LISTEN
                     continue
-                addr = fields[1].split(":")[0]
+                addr, port = fields[1].split(":")
                 if family == "tcp":
                     ip = ".".join(str(b) for b in reversed(bytes.fromhex(addr)))
                 else:
                     ip = "::" if int(addr, 16) == 0 else addr
-                out[fields[9]] = ip
+                out[fields[9]] = f"{ip}:{int(port, 16)}" if with_port else ip
     return out
 
 

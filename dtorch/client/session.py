@@ -3,8 +3,16 @@
 It owns the record buffer that operators append to, flushes it to the controller as one msgpack
 frame (on a sync point, when it grows past ``flush_records``, and shortly after the first record
 of a batch so a device never starves while the user's code runs on), and runs a receiver thread
-that completes TensorFutures and collects kernel errors. The controller process is started on
-first use and dies with this process (see ``cluster/local.py``).
+that completes TensorFutures, collects kernel errors and watches the controller's heartbeat.
+The controller process is started on first use and dies with this process (see
+``cluster/local.py``); its sockets admit only this runtime's processes (``cluster/auth.py``).
+
+Nothing the user issued is lost: records leave the buffer only once their frame is on its way
+(Ctrl-C waits for that), a record that cannot be serialized is taken out and reported at the
+user's next call with its call site, and the flusher thread survives any error. Flow control:
+every ``max_inflight_ops / MARKS`` records the client sends a *mark* (a sync that raises
+nothing), and once ``MARKS`` marks are outstanding the user's thread waits for the oldest, so
+however far ahead a program runs, at most about ``max_inflight_ops`` records are in flight.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -21,7 +31,7 @@ from collections import deque
 import zmq
 
 from .. import config, protocol as P
-from ..cluster import local
+from ..cluster import auth, local
 from ..future import TensorFuture
 from .assemble import assemble, piece_count
 
@@ -32,6 +42,8 @@ _lock = threading.Lock()
 _tensor_ids = itertools.count(1)
 MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
 MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
+MARKS = 4  # flow-control marks in flight at most (see the module docstring)
+log = logging.getLogger("dtorch")
 
 
 def current() -> Session:
@@ -41,8 +53,8 @@ def current() -> Session:
             s = _current
             if s is None or s.closed:
                 s = _start()
-    if s.fatal is not None:
-        raise RuntimeError(f"dtorch runtime failed: {s.fatal}. Call dtorch.shutdown() to restart.")
+    if s.alarm:
+        s.raise_alarm()
     return s
 
 
@@ -90,6 +102,10 @@ class Session:
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
         self.reported: dict = {}  # ids of failed kernels already seen (an ordered set)
         self.fatal = None
+        self.unsent: list = []  # errors of records that could not be serialized, for the next call
+        self.alarm = False  # fatal or unsent: the next call must look (one check on the hot path)
+        self.marks: deque = deque()  # futures of the flow-control marks in flight
+        self.unmarked = 0  # records sent since the last mark
         self.closed = False
         self.graph = 0
         # per-session caches: the wire ids they hold mean nothing to another controller
@@ -99,14 +115,16 @@ class Session:
         self.call_defs: list = []
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
+        self.keys = keys = auth.Keys.generate()  # this runtime's (see cluster/auth.py)
         self.ctx = zmq.Context()
+        self._gatekeeper = auth.Gatekeeper(self.ctx, keys)
         self.ops = self.ctx.socket(zmq.PUSH)
         self.ops.setsockopt(zmq.LINGER, 0)
-        ops_addr = _bind(self.ops)
+        ops_addr = _bind(self.ops, keys)
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
-        results_addr = _bind(self.results)
-        self.controller = local.start_controller(ops_addr, results_addr)
+        results_addr = _bind(self.results, keys)
+        self.controller = local.start_controller(ops_addr, results_addr, keys)
         # torch imports its meta kernels (hundreds of modules, about a second) on first use;
         # do that while the controller starts rather than at the user's first operator
         # (not a daemon: one still inside torch's import when the interpreter exits aborts it)
@@ -125,14 +143,62 @@ class Session:
         if len(records) >= config.flush_records:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, block: bool = True) -> None:
+        """Sends the buffered records as one frame. ``block``: the user's thread waits here while
+        ``MARKS`` flow-control marks are in flight; the flusher thread leaves such a flush to
+        it (and is woken when a mark completes)."""
         with self._flush_lock:
-            records = self.records
+            records, marks = self.records, self.marks
             n = len(records)
             if not n or self.closed:
                 return
-            batch = [records.popleft() for _ in range(n)]
-            self._send(P.pack(batch))
+            while marks and marks[0].done():
+                marks.popleft()
+            if len(marks) >= MARKS:
+                if not block:
+                    return
+                marks.popleft().get()  # raises if the runtime failed meanwhile
+            batch = list(itertools.islice(records, n))
+            try:
+                frame = P.pack(batch)
+            except Exception:  # noqa: BLE001 - one bad record must not take the batch with it
+                frame = P.pack(self._take_unsendable(batch))
+            with _sigint_deferred():  # sent and removed, or neither
+                self._send(frame)
+                for _ in range(n):
+                    records.popleft()
+            self.unmarked += n
+            if self.unmarked * MARKS >= config.max_inflight_ops:
+                self._mark()
+
+    def _take_unsendable(self, batch: list) -> list:
+        """The records of ``batch`` that serialize; each other one becomes an error raised at
+        the user's next call (and at the next wait), naming its operator and call site."""
+        sendable = []
+        for rec in batch:
+            try:
+                P.pack(rec)
+            except Exception as e:  # noqa: BLE001
+                self.unsent.append(self._describe_unsendable(rec, e))
+                self.alarm = True
+            else:
+                sendable.append(rec)
+        return sendable
+
+    def _describe_unsendable(self, rec, error: Exception) -> str:
+        if isinstance(rec, tuple) and rec and rec[0] == P.OP:
+            op = self.call_defs[rec[1] - 1]
+            return self._describe(rec[2], op, f"its arguments could not be sent ({error})")
+        return f"a dtorch record could not be sent ({error}): {rec!r:.200}"
+
+    def _mark(self) -> None:
+        request = next(self.requests)
+        future = TensorFuture()
+        future.add_done_callback(lambda _: self._wake.set())  # a flush may be waiting for it
+        self.pending[request] = (future, None, None)
+        self._send(P.pack([P.Sync(P.SYNC, request)]))
+        self.marks.append(future)
+        self.unmarked = 0
 
     def _send(self, frame) -> None:
         # A PUSH socket blocks while it has no peer, and a dead controller must not hang the
@@ -147,14 +213,19 @@ class Session:
 
     def _flush_soon(self) -> None:
         # Batches form while the user's thread runs ahead; this bounds how long the first record
-        # of a batch waits when the user's code stops issuing without syncing.
+        # of a batch waits when the user's code stops issuing without syncing. This thread
+        # must outlive any error, or records would wait here forever.
         while not self.closed:
             self._wake.wait()
             self._wake.clear()
             if self.closed:
                 return
             threading.Event().wait(config.flush_delay_s)
-            self.flush()
+            try:
+                self.flush(block=False)
+            except Exception as e:  # noqa: BLE001 - told at the user's next call
+                self.unsent.append(f"dtorch's flusher failed: {type(e).__name__}: {e}")
+                self.alarm = True
 
     def set_graph(self, graph: int) -> None:
         if graph != self.graph:
@@ -198,6 +269,17 @@ class Session:
         future.get()
         self.raise_errors()
 
+    def raise_alarm(self) -> None:
+        """The runtime's failure, or the records that could not be sent (then the runtime
+        stays usable)."""
+        if self.fatal is not None:
+            raise RuntimeError(f"dtorch runtime failed: {self.fatal}. Call dtorch.shutdown() to "
+                               "restart.")
+        unsent, self.unsent, self.alarm = self.unsent, [], False
+        if unsent:
+            more = f" ({len(unsent) - 1} more records could not be sent)" if len(unsent) > 1 else ""
+            raise TypeError(f"{unsent[0]}{more}")
+
     def raise_errors(self, error: Exception | None = None) -> None:
         """Raises a fetch's own failure (``error``), or else the kernel errors reported since
         the last wait. Either way the user has now been told: it is not raised again."""
@@ -205,6 +287,8 @@ class Session:
             with contextlib.suppress(ValueError):
                 self.errors.remove(str(error))
             raise error
+        if self.alarm:
+            self.raise_alarm()
         if self.errors:
             errors, self.errors = self.errors, []
             n_more, self.more_errors = len(errors) - 1 + self.more_errors, 0
@@ -216,16 +300,21 @@ class Session:
         poller = zmq.Poller()
         poller.register(self.results, zmq.POLLIN)
         poller.register(self.controller.life_fd, zmq.POLLIN)
+        interval_ms = int(config.heartbeat_interval_s * 1000)
+        controller = self.controller
         while not self.closed:
-            events = dict(poller.poll())
+            events = dict(poller.poll(interval_ms))
             if self.results in events and not self._receive_ready(0):
                 return
-            if self.controller.life_fd in events:  # the controller exited
+            if controller.life_fd in events and not controller.read_life():  # it exited
                 # its last words (a Fatal naming the cause) may still be on the way
                 if self.closed or not self._receive_ready(200):
                     return
-                self._die(f"the controller process exited ({self.controller.describe_exit()})")
+                self._die(f"the controller process exited ({controller.describe_exit()})")
                 return
+            if self.fatal is None and controller.is_silent():
+                controller.kill()
+                self._die(controller.describe_silence())
 
     def _receive_ready(self, timeout_ms: int) -> bool:
         """Handles every message that arrives within ``timeout_ms``; False once closed."""
@@ -235,7 +324,12 @@ class Session:
             except zmq.ZMQError:
                 return False
             try:
-                self._handle(P.unpack(frames[0].buffer), frames[1:])
+                msg = P.unpack(frames[0].buffer)
+            except Exception as e:  # noqa: BLE001 - drop it; the sender is authenticated
+                log.error("dtorch: dropped a message that does not decode: %s", e)
+                continue
+            try:
+                self._handle(msg, frames[1:])
             except Exception:  # noqa: BLE001 - a dead receiver would hang every wait
                 self._die("the client's receiver failed:\n" + traceback.format_exc())
         return True
@@ -289,7 +383,9 @@ class Session:
 
     def _die(self, message: str) -> None:
         if self.fatal is None:  # the first cause is the one to report
-            self.fatal = message
+            if self.errors:  # e.g. the collectives a dead host broke, with their call sites
+                message += f". Reported before that: {self.errors[0]}"
+            self.fatal, self.alarm = message, True
         self._fail_all()
 
     def _fail_all(self) -> None:
@@ -326,9 +422,31 @@ def _warm_meta_kernels() -> None:
     torch.empty(1, device="meta") + 1.0
 
 
-def _bind(sock) -> str:
+def _bind(sock, keys) -> str:
+    auth.serve(sock, keys)
     sock.bind(f"tcp://{config.bind_host}:*")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Holds back Ctrl-C for the few microseconds of a send and its bookkeeping, so an
+    interrupted flush neither loses a batch nor sends it twice. (Python runs signal handlers in
+    the main thread only, so other threads need nothing.)"""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # another thread, or no Python handler to hold back
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])
 
 
 def _tensor_from(frame, shape, dtype):

@@ -1,9 +1,17 @@
 """Local launcher: starts the controller and hosts as child processes tied to their parent.
 
-Lifetimes ride on pipes, not on polling: each child gets the read end of a pipe whose write end
-only its parent holds, and a watcher thread exits the child when that pipe reaches EOF (the parent
-exited, however it died, SIGKILL included). The parent likewise holds the read end of a pipe only
-the child writes, so it sees a child's death at once (``Child.life_fd`` polls readable).
+Lifetimes ride on pipes, not on polling. Each child gets the read end of a *parent pipe* whose
+write end only its parent holds: the parent first writes the runtime's keys into it (see
+``auth.py``; nothing secret goes through argv or the environment), and a watcher thread in the
+child exits it when the pipe reaches EOF (the parent exited, however it died, SIGKILL included).
+The parent holds the read end of a *life pipe* that only the child writes: a heartbeat thread in
+the child writes one byte every ``config.heartbeat_interval_s``, independent of whatever the
+child's other threads are doing, so the parent sees a child exit (EOF) at once and a child that
+stopped (SIGSTOP, a deadlock with the GIL held, a machine gone) within
+``config.heartbeat_timeout_s``.
+
+Children start in a session of their own and ignore SIGINT: Ctrl-C in a terminal interrupts the
+user's program, not the runtime it is using, and Ctrl-Z stops only the program.
 """
 
 from __future__ import annotations
@@ -17,16 +25,40 @@ import time
 
 from .. import config
 
+# A child's first heartbeat may wait for its interpreter to start on a busy machine.
+STARTUP_ALLOWANCE_S = 10.0
+
 
 class Child:
     def __init__(self, name: str, popen: subprocess.Popen, life_fd: int, parent_fd: int):
         self.name, self.popen = name, popen
-        self.life_fd = life_fd  # readable (EOF) once the child has exited
+        self.life_fd = life_fd  # readable on each heartbeat; EOF once the child has exited
         self._parent_fd = parent_fd  # closing it tells the child to exit
+        self.last_beat = time.monotonic()
+        self.heard = False  # a heartbeat has arrived
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def read_life(self) -> bool:
+        """Takes the heartbeats waiting in the life pipe; False once the child has exited."""
+        try:
+            beats = os.read(self.life_fd, 4096)
+        except BlockingIOError:
+            return True
+        if beats:
+            self.last_beat, self.heard = time.monotonic(), True
+        return bool(beats)
+
+    def silence(self) -> float:
+        """Seconds since the child's last heartbeat."""
+        return time.monotonic() - self.last_beat
+
+    def is_silent(self) -> bool:
+        """Silent past ``config.heartbeat_timeout_s``: stopped, hung or gone."""
+        allowance = 0.0 if self.heard else STARTUP_ALLOWANCE_S
+        return self.silence() > config.heartbeat_timeout_s + allowance
 
     def describe_exit(self) -> str:
         code = self.popen.poll()
@@ -36,8 +68,20 @@ class Child:
             return f"{self.name} pid {self.pid} was killed by {signal.Signals(-code).name}"
         return f"{self.name} pid {self.pid} exited with status {code}"
 
+    def describe_silence(self) -> str:
+        return (f"{self.name} pid {self.pid} sent no heartbeat for {self.silence():.1f} s "
+                f"(stopped, hung or gone; the limit is config.heartbeat_timeout_s = "
+                f"{config.heartbeat_timeout_s} s), so it was killed")
+
+    def kill(self) -> None:
+        """SIGKILL, which also ends a stopped process; the status is reaped by ``stop``."""
+        try:
+            self.popen.kill()
+        except OSError:
+            pass
+
     def request_exit(self) -> None:
-        """Closes the child's parent pipe: it exits at once (see ``exit_with_parent``)."""
+        """Closes the child's parent pipe: it exits at once (see ``child_main``)."""
         if self._parent_fd is not None:
             os.close(self._parent_fd)
             self._parent_fd = None
@@ -69,43 +113,88 @@ def stop_all(children, timeout: float) -> None:
 
 # Children import their module under a stub ``dtorch`` package, skipping dtorch/__init__.py (the
 # client's public API, which imports torch): the controller never needs torch and starts in a
-# fraction of the time.
+# fraction of the time. ``child_main`` runs before the module is imported, so the heartbeat
+# beats while a host spends seconds importing torch.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = (
     "import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
-    "sys.modules['dtorch'] = p; from {module} import main; main(sys.argv[1:])"
+    "sys.modules['dtorch'] = p; from dtorch.cluster.local import child_main; "
+    "child_main({module!r}, sys.argv[1:])"
 )
+# the knobs a child reads from the environment at import follow this process's values
+_INHERITED_KNOBS = {"DTORCH_BIND_HOST": "bind_host",
+                    "DTORCH_HEARTBEAT_TIMEOUT": "heartbeat_timeout_s",
+                    "DTORCH_COLLECTIVE_TIMEOUT": "collective_timeout_s"}
 
 
-def spawn(name: str, module: str, args, pass_fds=()) -> Child:
+def spawn(name: str, module: str, args, keys) -> Child:
     parent_r, parent_w = os.pipe()  # the child watches parent_r
     life_r, life_w = os.pipe()  # the parent watches life_r
     popen = subprocess.Popen(
         [sys.executable, "-c", _BOOT.format(pkg=_PACKAGE_DIR, module=module),
          "--parent-fd", str(parent_r), "--life-fd", str(life_w), *map(str, args)],
-        pass_fds=(parent_r, life_w, *pass_fds),
+        pass_fds=(parent_r, life_w),
         stdin=subprocess.DEVNULL,
-        # the knobs children read at import follow this process's values (config.override)
-        env={**os.environ, "DTORCH_BIND_HOST": config.bind_host},
+        start_new_session=True,
+        env={**os.environ,
+             **{var: str(getattr(config, knob)) for var, knob in _INHERITED_KNOBS.items()}},
     )
     os.close(parent_r)
     os.close(life_w)
+    os.set_blocking(life_r, False)
+    secret = keys.to_bytes()
+    os.write(parent_w, len(secret).to_bytes(2, "big") + secret)  # far below a pipe's buffer
     return Child(name, popen, life_r, parent_w)
 
 
-def exit_with_parent(parent_fd: int, on_exit=None) -> None:
-    """In a child: exit as soon as the parent's pipe closes."""
+def child_main(module: str, argv: list) -> None:
+    """A child's first code: reads its keys from the parent pipe, starts the parent watcher and
+    the heartbeat, then runs ``module.main(argv, keys, on_parent_exit)``, where
+    ``on_parent_exit`` registers what to do before exiting with the parent."""
+    from importlib import import_module
 
-    def watch():
+    from .auth import Keys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_fd = int(argv[argv.index("--parent-fd") + 1])
+    life_fd = int(argv[argv.index("--life-fd") + 1])
+    size = int.from_bytes(_read_exactly(parent_fd, 2), "big")
+    keys = Keys.from_bytes(_read_exactly(parent_fd, size))
+    on_exit: list = []
+
+    def watch_parent():
         while os.read(parent_fd, 1):
             pass
         try:
-            if on_exit is not None:
-                on_exit()
+            for fn in on_exit:
+                fn()
         finally:
             os._exit(0)
 
-    threading.Thread(target=watch, name="dtorch-parent-watch", daemon=True).start()
+    def beat():
+        os.set_blocking(life_fd, False)
+        while True:
+            try:
+                os.write(life_fd, b"\1")
+            except BlockingIOError:  # the parent is not reading (stopped): it is not our death
+                pass
+            except OSError:  # the parent is gone; the watcher exits us
+                return
+            time.sleep(config.heartbeat_interval_s)  # a clock, not a synchronization
+
+    threading.Thread(target=watch_parent, name="dtorch-parent-watch", daemon=True).start()
+    threading.Thread(target=beat, name="dtorch-heartbeat", daemon=True).start()
+    import_module(module).main(argv, keys, on_exit.append)
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            os._exit(0)  # the parent died before it could hand us our keys
+        out += chunk
+    return out
 
 
 def host_index(device_type: str, device: int) -> int:
@@ -117,16 +206,13 @@ def host_index(device_type: str, device: int) -> int:
     return config.cpu_hosts + device
 
 
-def start_controller(ops_addr: str, results_addr: str) -> Child:
+def start_controller(ops_addr: str, results_addr: str, keys) -> Child:
     return spawn("controller", "dtorch.controller.main",
-                 ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts])
+                 ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts],
+                 keys)
 
 
-def start_host(index: int, device_type: str, controller_addr: str, store_fd=None) -> Child:
-    """``store_fd``: a listening socket on which this host serves the rendezvous store."""
-    args = ["--index", index, "--device-type", device_type, "--controller", controller_addr,
-            "--cpu-hosts", config.cpu_hosts]
-    if store_fd is None:
-        return spawn(f"host {index}", "dtorch.runtime.host", args)
-    return spawn(f"host {index}", "dtorch.runtime.host", [*args, "--store-fd", store_fd],
-                 pass_fds=(store_fd,))
+def start_host(index: int, device_type: str, controller_addr: str, keys) -> Child:
+    return spawn(f"host {index}", "dtorch.runtime.host",
+                 ["--index", index, "--device-type", device_type, "--controller",
+                  controller_addr, "--cpu-hosts", config.cpu_hosts], keys)

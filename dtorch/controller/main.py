@@ -1,33 +1,44 @@
 """The controller process: receives the client's batches, rewrites them, dispatches to hosts.
 
 One loop polls three things: the client's batches, the hosts' messages (forwarded to the client,
-except sync acknowledgements, which it gathers), and the hosts' life pipes (a host that exits
-ends the runtime with a Fatal error to the client instead of a hang). Hosts start when a mesh
-first names one of their devices, and each receives every batch: it runs the records that touch
-its devices, so the controller's cost does not grow with the device count.
+except sync acknowledgements, which it gathers), and the hosts' life pipes, which carry their
+heartbeats (see ``cluster/local.py``). A host that exits, or stays silent for
+``config.heartbeat_timeout_s`` (then it is killed), ends the runtime with a Fatal error to the
+client instead of a hang. Hosts start when a mesh first names one of their devices, and each
+receives every batch: it runs the records that touch its devices, so the controller's cost does
+not grow with the device count.
+
+Every socket is authenticated (``cluster/auth.py``). The process groups' rendezvous store is a
+file in a directory only this user can enter, not a network port: on one machine no other user
+can read or write it.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import select
-import socket
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 
 import zmq
 
 from .. import config, protocol as P
-from ..cluster import local
+from ..cluster import auth, local
 from .graph import LogicalGraph, Operator
 from .passes import PASSES, Chain, StreamState
 
 
 # A killed host's peers can see its sockets close (and report a failed collective) before its
 # life pipe closes: the kernel closes a dying process's files in fd order. A host's Fatal waits
-# this long for a death to blame first.
-DEATH_GRACE_S = 1.0
+# this long for a death to blame first; a death waits this long for the peers' reports of the
+# collectives it broke, so the client's error names the op and its call site.
+DEATH_GRACE_S = 0.5
+log = logging.getLogger("dtorch")
 
 
 class HostHandle:
@@ -39,12 +50,16 @@ class HostHandle:
 
 
 class Controller:
-    def __init__(self, ops_addr: str, results_addr: str):
+    def __init__(self, ops_addr: str, results_addr: str, keys: auth.Keys):
+        self.keys = keys
         self.ctx = zmq.Context()
+        self.gatekeeper = auth.Gatekeeper(self.ctx, keys)
         self.ops = self.ctx.socket(zmq.PULL)
+        auth.join(self.ops, keys)
         self.ops.connect(ops_addr)
         self.results = self.ctx.socket(zmq.PUSH)
         self.results.setsockopt(zmq.LINGER, 2000)
+        auth.join(self.results, keys)
         self.results.connect(results_addr)
         self.host_sock = self.ctx.socket(zmq.ROUTER)
         self.host_sock.setsockopt(zmq.LINGER, 0)
@@ -52,6 +67,7 @@ class Controller:
         # send to an unknown host an error rather than a silent loss.
         self.host_sock.setsockopt(zmq.SNDHWM, 0)
         self.host_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        auth.serve(self.host_sock, keys)
         self.host_sock.bind(f"tcp://{config.bind_host}:*")
         self.host_addr = self.host_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()
@@ -63,24 +79,35 @@ class Controller:
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
         self.syncs: dict = {}  # token -> host indices yet to acknowledge
-        # the rendezvous store's listening socket, bound here (on bind_host, with no race for
-        # the port) and handed to the first host started, which serves the store on it
-        self.store_listener = _listen(config.bind_host)
-        self.store_port = self.store_listener.getsockname()[1]
-        self.store_host = None  # index of the host serving the store
+        # the process groups' rendezvous store (a torch FileStore), private to this user
+        self.store_dir = tempfile.mkdtemp(prefix="dtorch-store-")
+        self.death = None  # (message, when to report it): a host died, its peers may report
         self.running = True
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
+        interval_ms = int(config.heartbeat_interval_s * 1000)
         while self.running:
-            for sock, _ in self.poller.poll():
+            for sock, _ in self.poller.poll(interval_ms):
                 if sock is self.ops:
-                    self.on_batch(P.unpack(self.ops.recv(copy=False).buffer))
+                    self.on_client_frame(self.ops.recv(copy=False))
                 elif sock is self.host_sock:
                     self.on_host(self.host_sock.recv_multipart(copy=False))
                 else:
-                    self.on_host_exit(self.life_fds[sock])
+                    host = self.life_fds[sock]
+                    if not host.child.read_life():
+                        self.on_host_exit(host)
+            self.check_hosts()
         self.stop()
+
+    def on_client_frame(self, frame) -> None:
+        try:
+            records = P.unpack(frame.buffer)
+        except Exception as e:  # noqa: BLE001 - an authenticated peer's bug, not an outsider's
+            log.error("dtorch controller: dropped a client batch that does not decode: %s", e)
+            self.fatal(f"the controller received a batch it cannot decode ({e}); it is lost")
+            return
+        self.on_batch(records)
 
     def on_batch(self, records: list) -> None:
         t0 = time.perf_counter()
@@ -151,12 +178,7 @@ class Controller:
         for d in devices:
             index = local.host_index(device_type, d)
             if index not in self.hosts:
-                store_fd = None
-                if self.store_host is None:
-                    self.store_host, store_fd = index, self.store_listener.fileno()
-                child = local.start_host(index, device_type, self.host_addr, store_fd)
-                if store_fd is not None:  # the host holds it now
-                    self.store_listener.close()
+                child = local.start_host(index, device_type, self.host_addr, self.keys)
                 host = self.hosts[index] = HostHandle(index, child)
                 host.backlog.append(P.pack(self.graph.definitions))
                 self.by_identity[host.identity] = host
@@ -164,13 +186,20 @@ class Controller:
                 self.poller.register(child.life_fd, zmq.POLLIN)
 
     def on_host(self, frames) -> None:
-        host = self.by_identity[bytes(frames[0].buffer)]
-        msg = P.unpack(frames[1].buffer)
-        tag = msg[0]
+        host = self.by_identity.get(bytes(frames[0].buffer))
+        try:
+            msg = P.unpack(frames[1].buffer)
+            tag = msg[0]
+        except Exception as e:  # noqa: BLE001 - never let one frame stop the controller
+            log.error("dtorch controller: dropped a frame from %s that does not decode: %s",
+                      host.child.name if host else "an unknown host", e)
+            return
+        if host is None:
+            log.error("dtorch controller: dropped a frame from unknown host %r", frames[0].bytes)
+            return
         if tag == P.HOST_READY:
             host.ready = True
-            master = host.index == self.store_host
-            welcome = P.pack([P.Welcome(P.WELCOME, self.store_port, master)])
+            welcome = P.pack([P.Welcome(P.WELCOME, os.path.join(self.store_dir, "store"))])
             self.host_sock.send_multipart([host.identity, welcome])
             for frame in host.backlog:
                 self.host_sock.send_multipart([host.identity, frame], copy=False)
@@ -182,22 +211,49 @@ class Controller:
                 if not waiting:
                     self.ack_sync(msg[1])
         else:
-            if tag == P.FATAL:  # a host failing as a peer host dies: name the death first
+            if tag == P.FATAL:  # a host failing as a peer host dies: name the death instead
                 self.report_dead_hosts(timeout=DEATH_GRACE_S)
+                if self.death is not None:
+                    return
             self.results.send_multipart(frames[1:], copy=False)
 
     def report_dead_hosts(self, timeout: float) -> None:
-        dead, _, _ = select.select(list(self.life_fds), [], [], timeout)
-        for fd in dead:
-            self.on_host_exit(self.life_fds[fd])
+        """Waits up to ``timeout`` for a host's life pipe to close, reading heartbeats on the
+        way."""
+        deadline = time.monotonic() + timeout
+        while self.death is None and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(list(self.life_fds), [], [], left)
+            for fd in ready:
+                host = self.life_fds[fd]
+                if not host.child.read_life():
+                    self.on_host_exit(host)
 
     def ack_sync(self, token: int) -> None:
         del self.syncs[token]
         self.results.send(P.pack(P.Synced(P.SYNCED, token, -1)))
 
+    def check_hosts(self) -> None:
+        """Kills a host that has been silent too long; reports a death once its grace ends."""
+        if self.death is not None:
+            message, when = self.death
+            if time.monotonic() >= when:
+                self.fatal(message)
+            return
+        for host in self.hosts.values():
+            if host.child.is_silent():
+                host.child.kill()
+                self.on_host_death(host, host.child.describe_silence())
+                return
+
     def on_host_exit(self, host: HostHandle) -> None:
         host.child.popen.wait()
-        self.fatal(f"{host.child.describe_exit()}; its devices' work is lost")
+        self.on_host_death(host, host.child.describe_exit())
+
+    def on_host_death(self, host: HostHandle, how: str) -> None:
+        if self.death is None:
+            self.poller.unregister(host.child.life_fd)
+            self.death = (f"{how}; its devices' work is lost",
+                          time.monotonic() + DEATH_GRACE_S)
 
     def fatal(self, message: str) -> None:
         try:
@@ -208,18 +264,12 @@ class Controller:
 
     def stop(self) -> None:
         local.stop_all([h.child for h in self.hosts.values()], config.shutdown_timeout_s)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
         self.results.close(linger=2000)
         self.ctx.destroy(linger=0)
 
 
-def _listen(host: str) -> socket.socket:
-    s = socket.socket()
-    s.bind((host, 0))
-    s.listen(128)
-    return s
-
-
-def main(argv=None) -> None:
+def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser = argparse.ArgumentParser(prog="dtorch.controller")
     parser.add_argument("--parent-fd", type=int, required=True)
     parser.add_argument("--life-fd", type=int, required=True)
@@ -228,8 +278,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu-hosts", type=int, required=True)
     args = parser.parse_args(argv)
     config.cpu_hosts = args.cpu_hosts
-    controller = Controller(args.ops, args.results)
-    local.exit_with_parent(args.parent_fd, on_exit=lambda: _stop_hosts(controller))
+    controller = Controller(args.ops, args.results, keys)
+    on_parent_exit(lambda: _stop_hosts(controller))
     try:
         controller.run()
     except Exception:  # noqa: BLE001 - report, then exit: the client must not hang
@@ -246,3 +296,4 @@ def _stop_hosts(controller: Controller) -> None:
         child.popen.kill()
     for child in children:
         child.popen.wait(config.shutdown_timeout_s)
+    shutil.rmtree(controller.store_dir, ignore_errors=True)

@@ -29,10 +29,10 @@ import traceback
 
 import torch
 import zmq
-from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, TCPStore
+from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 
 from .. import config, protocol as P
-from ..cluster import local
+from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..ops.creation import CLIENT_ONLY
 from ..placement import decode_placement
@@ -40,9 +40,6 @@ from ..spec import MeshInfo, coordinate_of, group_devices, intern_spec
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Stream
-
-STORE_TIMEOUT = datetime.timedelta(minutes=5)
-
 
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
@@ -224,15 +221,15 @@ def failure_peers(ctx, call: HostCall) -> tuple:
 
 
 class Host:
-    def __init__(self, index: int, device_type: str, controller_addr: str, store_fd: int):
+    def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys):
         self.waits = None  # streams the next kernel waits for (a WAIT record)
         self.index, self.device_type = index, device_type
-        self.store_fd = store_fd  # listening socket of the store, on the host that serves it
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, str(index).encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.RCVHWM, 0)  # batches queue here, none is ever dropped
+        auth.join(self.sock, keys)
         self.sock.connect(controller_addr)
         # any thread queues messages here and rings the bell; the main thread sends them
         self.outbox: collections.deque = collections.deque()
@@ -244,8 +241,7 @@ class Host:
         self.devices: dict = {}  # local device index -> Device
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
         self._local: dict = {}  # mesh id -> local Devices
-        self._store_master = None
-        self._store_port = None
+        self._store_path = None  # the rendezvous store's file (Welcome)
         self.cuda = device_type == "cuda"
 
     # -- sockets --------------------------------------------------------------------------------
@@ -272,7 +268,9 @@ class Host:
     def store(self):
         """A new client of the rendezvous store. Each device needs its own: a client blocks
         while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
-        return TCPStore(config.bind_host, self._store_port, None, False, STORE_TIMEOUT)
+        store = FileStore(self._store_path, -1)
+        store.set_timeout(datetime.timedelta(seconds=config.collective_timeout_s))
+        return store
 
     # -- devices --------------------------------------------------------------------------------
     def local_devices(self, mesh) -> list:
@@ -419,11 +417,7 @@ class Host:
             s.put(done)
 
     def on_welcome(self, rec) -> None:
-        _, port, master = rec
-        self._store_port = port
-        if master:  # serve the store the process groups rendezvous through
-            self._store_master = TCPStore(config.bind_host, port, None, True, STORE_TIMEOUT,
-                                          wait_for_workers=False, master_listen_fd=self.store_fd)
+        self._store_path = rec[1]
 
     HANDLERS = {
         P.DEFINE_MESH: on_define_mesh,
@@ -449,7 +443,14 @@ class Host:
                 if sock == self._bell_r:
                     self.forward_outbox()
                     continue
-                for rec in P.unpack(self.sock.recv(copy=False).buffer):
+                frame = self.sock.recv(copy=False)
+                try:
+                    records = P.unpack(frame.buffer)
+                except Exception as e:  # noqa: BLE001 - drop it; the controller is authenticated
+                    print(f"[dtorch host {self.index}] dropped a batch that does not decode: {e}",
+                          file=sys.stderr)
+                    continue
+                for rec in records:
                     if type(rec) is int:
                         self.on_release(rec)
                     else:
@@ -459,7 +460,7 @@ class Host:
                         stream.submit()
 
 
-def main(argv=None) -> None:
+def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser = argparse.ArgumentParser(prog="dtorch.runtime.host")
     parser.add_argument("--parent-fd", type=int, required=True)
     parser.add_argument("--life-fd", type=int, required=True)
@@ -467,10 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device-type", required=True)
     parser.add_argument("--controller", required=True)
     parser.add_argument("--cpu-hosts", type=int, required=True)
-    parser.add_argument("--store-fd", type=int, default=-1)
     args = parser.parse_args(argv)
-    local.exit_with_parent(args.parent_fd)
     config.cpu_hosts = args.cpu_hosts
     if args.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
-    Host(args.index, args.device_type, args.controller, args.store_fd).run()
+    Host(args.index, args.device_type, args.controller, keys).run()

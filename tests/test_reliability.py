@@ -1,0 +1,242 @@
+"""Reliability and security: a stopped process becomes a client error within seconds, a long
+kernel does not; Ctrl-C interrupts the program, not its runtime; only the runtime's own processes
+can talk to it; the client never loses a record, and flow control keeps memory flat however far
+ahead a program runs.
+
+Programs that stop or signal processes run in a subprocess of their own. Every wait has a
+deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import dtorch
+from dtorch import Replicate, Shard, config, protocol as P
+from dtorch.client import session as _session
+from processes import (CLIENT_PRELUDE, TESTS_DIR, alive, children, listening_sockets,
+                       run_client, rss_kb, runtime_pids, socket_inodes, wait_until)
+from reliability_kernels import busy
+
+NOTICE_S = 5.0  # the promise: a silent process is reported within 5 s of its silence
+
+# A client that stops (SIGSTOP) one of its runtime's processes and keeps working until dtorch
+# raises; it reports how long that took, then restarts the runtime.
+STOP_ONE = CLIENT_PRELUDE + """
+victim = sys.argv[1]
+mesh = dtorch.init_device_mesh("cpu", (4,))
+x = dtorch.from_torch(torch.arange(8.0), device_mesh=mesh, placements=[Shard(0)])
+assert x.redistribute(placements=[Replicate()]).sum().item() == 28.0
+controller, hosts = runtime_pids()
+pid = controller if victim == "controller" else hosts[0]
+os.kill(pid, signal.SIGSTOP)
+t0 = time.monotonic()
+error = None
+try:
+    f = (x * 2).redistribute(placements=[Replicate()]).sum().to_torch_async()
+    f.wait(30)  # bounded: a hang leaves error None and fails the test
+    f.get()
+except RuntimeError as e:
+    error = str(e)
+latency = time.monotonic() - t0
+dtorch.shutdown()
+gone = wait_until(lambda: not any(map(alive, [controller, *hosts])), 10)
+fresh = dtorch.init_device_mesh("cpu", (4,))
+y = dtorch.from_torch(torch.arange(8.0), device_mesh=fresh, placements=[Shard(0)])
+report(error=error, latency=latency, gone=gone, pid=pid,
+       restarted=y.redistribute(placements=[Replicate()]).sum().item())
+"""
+
+
+@pytest.mark.parametrize("victim", ["host", "controller"])
+def test_a_stopped_process_is_reported_within_seconds_and_killed(victim):
+    r = run_client(STOP_ONE, timeout=120, args=[victim])
+    print(f"\n{victim} SIGSTOP noticed after {r['latency'] * 1e3:.0f} ms")
+    assert r["error"] is not None, "the client did not raise"
+    assert r["latency"] < NOTICE_S
+    assert "no heartbeat" in r["error"] and str(r["pid"]) in r["error"]
+    assert r["restarted"] == 28.0
+    assert not alive(r["pid"])
+
+
+def test_a_long_kernel_is_not_a_dead_host(mesh1):
+    """20 s of Python holding the GIL on every device, seven heartbeat timeouts long."""
+    x = dtorch.ones((3, 2), device_mesh=mesh1, placements=[Shard(0)])
+    y = dtorch.local_map(busy, [Shard(0)])(x, 20.0)
+    assert torch.equal(y.to_torch(), torch.full((3, 2), 2.0))
+    assert (x * 3).sum().item() == 18.0
+
+
+CTRL_C = CLIENT_PRELUDE + """
+sys.path.insert(0, os.path.dirname(os.path.abspath("reliability_kernels.py")))
+from reliability_kernels import busy
+mesh = dtorch.init_device_mesh("cpu", (2,))
+x = dtorch.ones((2, 2), device_mesh=mesh, placements=[Shard(0)])
+assert x.sum().item() == 4.0
+slow = dtorch.local_map(busy, [Shard(0)])(x, 5.0)
+print("WAITING", flush=True)
+try:
+    slow.to_torch()
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+controller, hosts = runtime_pids()
+report(interrupted=interrupted, after=(x * 5).sum().item(), slow=slow.sum().item(),
+       alive=all(map(alive, [controller, *hosts])))
+"""
+
+
+def test_ctrl_c_interrupts_the_program_not_its_runtime():
+    """SIGINT to the whole foreground process group, as a terminal's Ctrl-C sends it."""
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=TESTS_DIR,
+                            start_new_session=True)  # its own group, so killpg spares pytest
+    try:
+        assert proc.stdout.readline().strip() == "WAITING"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert results, err[-3000:]
+    r = __import__("json").loads(results[0][7:])
+    assert r == {"interrupted": True, "after": 20.0, "slow": 8.0, "alive": True}
+
+
+# -- security -------------------------------------------------------------------------------------
+
+
+def _outsider(kind, endpoint: str, curve_server_key: bytes | None = None):
+    """A socket of a process that is not the runtime's: plain, or CURVE with its own keys."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.linger = 0
+    if curve_server_key is not None:
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(endpoint)
+    return sock
+
+
+def _endpoint(sock) -> str:
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve-with-own-keys"])
+def test_an_outsider_cannot_forge_a_value(mesh1, curve):
+    s = _session.current()
+    server_key = s.keys.server_public if curve else None
+    forger = _outsider(zmq.PUSH, _endpoint(s.results), server_key)
+    x = dtorch.arange(6.0, device_mesh=mesh1, placements=[Shard(0)])
+    first = next(s.requests) + 1
+    for request in range(first, first + 8):  # the next fetches' request numbers
+        forged = P.pack(P.Value(P.VALUE, request, [0], [6], "float32"))
+        with contextlib.suppress(zmq.Again):  # refused peers may not even get to queue
+            forger.send_multipart([forged, torch.full((6,), 999.0).numpy().tobytes()],
+                                  zmq.NOBLOCK)
+    for _ in range(4):
+        assert torch.equal(x.to_torch(), torch.arange(6.0))
+    forger.close()
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve-with-own-keys"])
+def test_an_outsider_cannot_steal_batches(mesh1, curve):
+    s = _session.current()
+    thief = _outsider(zmq.PULL, _endpoint(s.ops), s.keys.server_public if curve else None)
+    secret = torch.tensor([31415.0, 27182.0])
+    for _ in range(20):
+        y = dtorch.from_torch(secret, device_mesh=mesh1) * 1.0
+        assert torch.equal(y.to_torch(), secret)
+    assert thief.poll(200) == 0, "an outsider received a batch"
+    thief.close()
+
+
+def test_outsider_frames_do_not_stop_the_controller(mesh1):
+    controller, _ = runtime_pids()
+    mine = socket_inodes(controller)
+    ports = [a for inode, a in listening_sockets(with_port=True).items() if inode in mine]
+    assert ports
+    s = _session.current()
+    for port in ports:
+        for key in (None, s.keys.server_public):
+            sock = _outsider(zmq.DEALER, f"tcp://{port}", key)
+            with contextlib.suppress(zmq.Again):
+                sock.send_multipart([b"\xc1garbage", msgpack.packb([P.HOST_READY, 0, 1])],
+                                    zmq.NOBLOCK)
+            sock.close()
+    x = dtorch.ones((6,), device_mesh=mesh1, placements=[Shard(0)])
+    assert x.redistribute(placements=[Replicate()]).sum().item() == 6.0
+
+
+def test_keys_never_appear_in_argv_or_environment():
+    s = _session.current()
+    controller, hosts = runtime_pids()
+    for pid in [controller, *hosts]:
+        for name in ("cmdline", "environ"):
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                text = f.read()
+            for key in s.keys:
+                assert key not in text, f"a runtime key is in /proc/{pid}/{name}"
+
+
+def test_the_rendezvous_store_is_private(mesh1):
+    dtorch.ones((3,), device_mesh=mesh1, placements=[Shard(0)]).redistribute(
+        placements=[Replicate()]).sum().item()  # process groups exist
+    stores = glob.glob(os.path.join(tempfile.gettempdir(), "dtorch-store-*"))
+    assert stores
+    for d in stores:
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+
+
+# -- the client never loses a record ----------------------------------------------------------------
+
+
+def test_a_record_that_cannot_be_sent_raises_at_the_next_call(mesh1):
+    """A record that msgpack refuses (no public call makes one any more) is taken out of its
+    batch, the rest of the batch runs, and the next call raises naming the op's call site."""
+    s = _session.current()
+    x = dtorch.ones((3,), device_mesh=mesh1, placements=[Shard(0)])
+    y = x + 1.0
+    bound = next(b for k, b in s.bound.items() if getattr(k[0], "name", None) == "add" and k[-1] is float)
+    def site():  # this line, as the user's call site
+        return s.site()
+
+    s.append((P.OP, bound.call_id, site(), 0, next(s.ids), x._id, object()))
+    z = x * 2  # in the same batch as the bad record
+    s.flush()
+    with pytest.raises(TypeError, match=r"dtorch\.add failed \(called at .*test_reliability"):
+        dtorch.ones((1,), device_mesh=mesh1)
+    assert torch.equal(z.to_torch(), torch.full((3,), 2.0))
+    assert torch.equal(y.to_torch(), torch.full((3,), 2.0))
+    assert s.fatal is None and s._flusher.is_alive()
+
+
+def test_flow_control_bounds_the_records_in_flight(mesh1):
+    """With a bound of 8,000 records, 100,000 dependent ops never have more than the bound
+    (plus one buffer) sent and not yet executed."""
+    s = _session.current()
+    with config.override(max_inflight_ops=8000):
+        window = 8000 // _session.MARKS
+        x = dtorch.zeros((3,), device_mesh=mesh1, placements=[Shard(0)])
+        most = 0
+        for i in range(100_000):
+            x = x + 1.0
+            if i % 500 == 0:
+                while s.marks and s.marks[0].done():
+                    s.marks.popleft()
+                most = max(most, len(s.marks) * window + s.unmarked)
+        assert torch.equal(x.to_torch(), torch.full((3,), 100_000.0))
+    assert 0 < most <= 8000 + config.flush_records + window
