@@ -121,7 +121,10 @@ def local_map(fn, out_placements, in_placements=None):
     Result shapes and dtypes are found by running ``fn`` on meta tensors of each device's local
     shapes (on the client, once per call shape); the blocks must then be those of one global
     shape under ``out_placements`` (``numpy.array_split`` chunks), or the call raises
-    ``ValueError``. ``fn`` must be importable by name (see the module's doc).
+    ``ValueError``. On the hosts, each device's results must then be those blocks (tensors of
+    that dtype and local shape, on the device): any other result fails the call like an error
+    raised in ``fn``, reported at the next read. ``fn`` must be importable by name (see the
+    module's doc).
 
     >>> import torch, dtorch
     >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -168,7 +171,8 @@ def _check_args(fn, args, kwargs, slots, in_placements) -> None:
         if want is not None and tuple(want) != t._spec.placements:
             raise ValueError(f"dtorch.local_map({fn!r}): argument {k} has placements "
                              f"{t.placements}, in_placements asks for {list(want)}; "
-                             f"redistribute first: arg = arg.redistribute(placements={list(want)!r})")
+                             f"redistribute first: "
+                             f"arg = arg.redistribute(placements={list(want)!r})")
 
 
 _OUTPUTS: dict = {}
@@ -255,7 +259,9 @@ def register_op(signature: str, fn, placement=None, *, meta=None, methods=(), fu
       ``ValueError`` naming the ``redistribute()`` to add. It may also be a function of the call
       (``ops.rules.Call``) returning rows or an ``ops.rules.Placed``. Default: Replicate only.
     - ``meta``: the metadata rule, called like ``fn`` on meta tensors of the global shapes;
-      default: ``fn`` itself (memoized per call shape, as for every built-in op).
+      default: ``fn`` itself (memoized per call shape, as for every built-in op). On each
+      device ``fn`` must return the blocks of what it promises (dtype, local shape, the device);
+      any other result fails the call like an error raised in ``fn``.
     - ``fn`` must be importable by name on the hosts (see the module's doc).
 
     >>> import torch, dtorch

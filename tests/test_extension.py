@@ -66,10 +66,12 @@ def test_local_map_partial_and_two_results(mesh2):
 
 
 def test_local_map_copies_aliasing_results(mesh1):
-    x = distribute(sample(5, 3), mesh1, [S0])
+    t = sample(5, 3)
+    x = distribute(t, mesh1, [S0])
     y = dtorch.local_map(K.returns_input, [S0])(x)
     x.add_(1)
-    assert_close(y, x.to_torch() - 1)
+    assert_close(y, t)
+    assert_close(x, t + 1)
 
 
 def test_local_map_torch_by_name(mesh1):
@@ -124,13 +126,13 @@ def test_registered_op(placements, mesh1):
 
 
 def test_registered_op_placement_error_names_it(mesh2):
-    x = distribute(sample(5, 7), mesh2, [S1, S0])
+    t = sample(5, 7)
+    x = distribute(t, mesh2, [S1, S0])
     with pytest.raises(ValueError, match=r"dtorch.ext_softmax.*input=S\(1\)") as e:
         x.ext_softmax(1)
     fix = str(e.value).split("e.g. ")[-1]
     assert "input.redistribute" in fix
-    assert_close(x.redistribute(placements=[R, S0]).ext_softmax(1),
-                 torch.softmax(x.to_torch(), 1))
+    assert_close(x.redistribute(placements=[R, S0]).ext_softmax(1), torch.softmax(t, 1))
 
 
 def test_registered_linear_op_on_meshes(mesh1, mesh2, one):
@@ -154,10 +156,65 @@ def test_register_op_refusals():
 
 
 def test_kernel_error_is_reported_at_the_next_wait(mesh1):
-    x = distribute(sample(4, 3), mesh1, [R])
+    t = sample(4, 3)
+    x = distribute(t, mesh1, [R])
     y = dtorch.local_map(K.fails_on_values, [R])(x)
     with pytest.raises(RuntimeError, match="boom on the host"):
         dtorch.sync()
     with pytest.raises(RuntimeError, match="boom on the host"):
         y.to_torch()
-    assert_close(dtorch.local_map(K.scale_rows, [R])(x, 2), x.to_torch() * 2)
+    assert_close(dtorch.local_map(K.scale_rows, [R])(x, 2), t * 2)
+
+
+# -- results that break the metadata run's promise ------------------------------------------------
+# Each kernel returns on the hosts what its metadata run (on meta tensors, on the client) did not
+# promise. Every device checks its results before storing them, so the mismatch is the call's
+# kernel error, naming what was expected and what came back; unchecked, a collective reading the
+# result would exchange buffers of different sizes and gloo would abort the host (SIGABRT).
+# 7 rows over mesh1's 3 devices: blocks of 3, 2, 2 rows.
+
+BAD_RESULTS = {
+    "dtype-on-one-device": (
+        lambda x: K.wrong_dtype(x), "custom_op",
+        r"ext_wrong_dtype result 0 on device 1 is a float64 tensor "
+        r"of local shape \(2, 3\) on cpu; expected a float32 tensor of local shape \(2, 3\) "
+        r"on cpu.*meta rule of dtorch.ext_wrong_dtype"),
+    "uneven-local-shape": (
+        lambda x: dtorch.local_map(K.host_rows, [S0])(x, 2), "local_map",
+        r"host_rows result 0 on device 0 is a float32 tensor of "
+        r"local shape \(2, 3\) on cpu; expected a float32 tensor of local shape \(3, 3\) on "
+        r"cpu, this device's block of global shape \(7, 3\) under placements S\(0\)"),
+    "not-a-tensor": (
+        lambda x: dtorch.local_map(K.host_number, [S0])(x), "local_map",
+        r"host_number result 0 on device \d is a float, not a torch.Tensor; expected a "
+        r"float32 tensor"),
+    "number-of-results": (
+        lambda x: dtorch.local_map(K.host_pair, [S0])(x), "local_map",
+        r"host_pair returned 2 results on device \d; the client's run of host_pair on meta "
+        r"tensors gave 1"),
+    "device": (
+        lambda x: dtorch.local_map(K.host_meta, [S0])(x), "local_map",
+        r"host_meta result 0 on device \d is a float32 tensor of local shape \(\d, 3\) on "
+        r"meta; expected .* on cpu"),
+}
+
+
+@pytest.mark.parametrize("read", ["directly", "through-all-gather"])
+@pytest.mark.parametrize("case", list(BAD_RESULTS))
+def test_a_result_that_breaks_its_spec_is_a_kernel_error(case, read, mesh1):
+    """The error is raised at the next sync, naming the call site, and again by reading the
+    result, also after a collective (every device takes part; none aborts); the runtime then
+    runs a collective over the same devices as before."""
+    make, carrier, message = BAD_RESULTS[case]
+    t = sample(7, 3)
+    x = distribute(t, mesh1, [S0])
+    y = make(x)
+    if read != "directly":
+        y = y.redistribute(placements=[R])
+    error = rf"dtorch.{carrier} failed \(called at .*test_extension.py:\d+\): RuntimeError: "
+    error += message
+    with pytest.raises(RuntimeError, match=error):
+        dtorch.sync()
+    with pytest.raises(RuntimeError, match=error):
+        y.to_torch()
+    assert_close(x.redistribute(placements=[R]) * 2, t * 2)

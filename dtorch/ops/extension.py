@@ -11,9 +11,17 @@ Both entries carry their user's details as static args, so a host needs nothing 
 module to run them, whichever host joins the run later:
 
 - ``local_map``: ``fn`` on each device's local blocks, with the output specs the client worked out
-  (shapes, dtypes, placements); the kernel checks each block has the shape it promised.
+  (shapes, dtypes, placements).
 - ``custom_op``: an operator registered at run time; its metadata and placement rules live on the
   client (``EXTENSIONS``), its kernel is called by reference like local_map's.
+
+A user's kernel may return on a device what the client's metadata run did not promise (a dtype
+or shape that depends on values or on the device, a number, too few results). Both carriers
+check every device's results against the output specs before the host stores them
+(``check_results``): a mismatch is this kernel's error, reported at its call site, and poisons
+only its dependents. Unchecked, a wrong block is found only by a later collective, whose peers
+then exchange buffers of different sizes, and gloo aborts the host process: the whole runtime
+is lost.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import sys
 
 import torch
 
-from ..placement import decode_placement
+from ..placement import decode_placement, placements_str
 from .registry import OpDef, register
 from .rules import Call, Placed, expand
 
@@ -83,19 +91,42 @@ def _fill(args, slots, operands) -> list:
 
 def _local_map(ctx, *operands, fn, slots, args, kwargs, outs):
     result = resolve(fn)(*_fill(args, slots, operands), **dict(kwargs))
-    results = list(result) if isinstance(result, (tuple, list)) else [result]
-    if len(results) != len(outs):
-        raise RuntimeError(f"{fn[1]} returned {len(results)} results on this device, "
-                           f"{len(outs)} on the client's meta run")
+    results = check_results(result, ctx, fn[1], f"the client's run of {fn[1]} on meta tensors")
+    # blobs never share storage unless flagged as views
+    results = tuple(r.clone() if any(isinstance(o, torch.Tensor) and _aliases(r, o)
+                                     for o in operands) else r for r in results)
+    return results[0] if len(results) == 1 else results
+
+
+def check_results(result, ctx, name: str, promise: str) -> tuple:
+    """A user kernel's results on this device, as a tuple, once each is the block its output
+    spec promises: a tensor of the spec's dtype, of this device's local shape, on this device.
+    Raises ``RuntimeError`` naming what was expected and what came back (``promise`` says where
+    the expectation came from); the host reports it as the kernel's failure."""
+    results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    where = f"on device {ctx.device.index}"
+    if len(results) != len(ctx.out_specs):
+        raise RuntimeError(f"{name} returned {len(results)} results {where}; {promise} gave "
+                           f"{len(ctx.out_specs)}")
     for k, (r, spec) in enumerate(zip(results, ctx.out_specs)):
-        want = spec.local_region(ctx.out_coord)[0]
-        if not isinstance(r, torch.Tensor) or tuple(r.shape) != want:
-            got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-            raise RuntimeError(f"{fn[1]} result {k} is {got} on this device; its placements "
-                               f"need a block of shape {want} (is its shape value-dependent?)")
-        if any(isinstance(o, torch.Tensor) and _aliases(r, o) for o in operands):
-            results[k] = r.clone()  # blobs never share storage unless flagged as views
-    return results[0] if len(results) == 1 else tuple(results)
+        want = (spec.local_region(ctx.out_coord)[0], getattr(torch, spec.dtype),
+                ctx.device.torch_device)
+        if not isinstance(r, torch.Tensor) or (tuple(r.shape), r.dtype, r.device) != want:
+            raise RuntimeError(
+                f"{name} result {k} {where} is {_describe(r)}; expected {_describe_block(*want)}"
+                f", this device's block of global shape {tuple(spec.shape)} under placements "
+                f"{placements_str(spec.placements)}, as {promise} found it")
+    return results
+
+
+def _describe(r) -> str:
+    if isinstance(r, torch.Tensor):
+        return _describe_block(tuple(r.shape), r.dtype, r.device)
+    return f"a {type(r).__name__}, not a torch.Tensor"
+
+
+def _describe_block(shape, dtype, device) -> str:
+    return f"a {str(dtype)[6:]} tensor of local shape {shape} on {device}"
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -121,9 +152,13 @@ register(OpDef("local_map", "local_map(inputs: TensorList, fn, slots, args, kwar
 
 
 def _custom_op(ctx, *operands, name, fn, kwargs, with_context):
+    kernel = resolve(fn)
     if with_context:
-        return resolve(fn)(ctx, *operands, **dict(kwargs))
-    return resolve(fn)(*operands, **dict(kwargs))
+        result = kernel(ctx, *operands, **dict(kwargs))
+    else:
+        result = kernel(*operands, **dict(kwargs))
+    results = check_results(result, ctx, name, f"the meta rule of dtorch.{name}")
+    return results[0] if len(results) == 1 else results
 
 
 def _custom_meta(*operands, name, fn, kwargs, with_context):

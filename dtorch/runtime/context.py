@@ -16,9 +16,6 @@ from .. import config
 from ..placement import Partial
 from ..spec import coordinate_of, group_devices
 
-GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-
-
 class KernelContext:
     __slots__ = ("device", "in_specs", "out_specs", "coord", "out_coord", "out_local_shape",
                  "out_offsets")
@@ -59,7 +56,15 @@ def _coord(spec, device: int):
 class Groups:
     """A device's process groups, created on first use on its communication stream. Every member
     runs its collectives in the same program order, so creation (a rendezvous through the
-    TCPStore) meets up without deadlock."""
+    store) meets up without deadlock.
+
+    Each group's collectives raise once ``config.collective_timeout_s`` passes without their
+    peers (a kernel that waits for a member that never comes, a peer stuck elsewhere): the
+    kernel then fails at its call site like any other, rather than hanging the program. On
+    gloo the deadline raises in the waiting kernel; NCCL's watchdog enforces it instead, in the
+    way ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says (by default it ends the process, which the
+    client reports as a dead host).
+    """
 
     def __init__(self, device_index: int, torch_device: torch.device, connect_store,
                  prefix: str = "pg/"):
@@ -78,11 +83,14 @@ class Groups:
             self.store = self.connect_store()
         store = PrefixStore(self.prefix + "-".join(map(str, members)), self.store)
         rank, size = members.index(self.index), len(members)
+        timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         if self.torch_device.type == "cuda":
             from torch._C._distributed_c10d import ProcessGroupNCCL
 
-            return ProcessGroupNCCL(store, rank, size, ProcessGroupNCCL.Options())
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return ProcessGroupNCCL(store, rank, size, opts)
         opts = ProcessGroupGloo._Options()
         opts._devices = [ProcessGroupGloo.create_device(hostname=config.bind_host)]
-        opts._timeout = GROUP_TIMEOUT
+        opts._timeout = timeout  # gloo's rendezvous (connecting the pairs) waits this long too
         return ProcessGroupGloo(store, rank, size, opts)

@@ -45,11 +45,20 @@ class Event:
 
 
 class Stream:
+    """A device's queue of kernels, run in order on a thread of its own.
+
+    ``on_error(name)`` is called, in the ``except`` block (so ``traceback.format_exc()`` names
+    the cause), whenever something raises outside a kernel: an item that raised (kernels catch
+    their own errors, so this is a runtime bug), or the thread's own set-up or loop. Work queued
+    on a stream that no longer runs it would leave its waiters (a peer's collective, a sync)
+    hanging for good, so such a failure must be reported, never die with the thread.
+    """
+
     def __init__(self, name: str, device: torch.device, on_error):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: list = []
         self.device = device
-        self._on_error = on_error  # on_error(name), in the except block of an item that raised
+        self._on_error = on_error
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -66,12 +75,15 @@ class Stream:
             self.pending = []
 
     def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                    self._drain()
+            else:
                 self._drain()
-        else:
-            self._drain()
+        except BaseException:  # noqa: BLE001 - the thread ends here: the host must say so
+            self._on_error(self.thread.name)
 
     def _drain(self) -> None:
         get = self.queue.get
