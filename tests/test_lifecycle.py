@@ -34,7 +34,7 @@ from processes import (
 )
 
 DEATH_NOTICE_S = 5.0  # the promise: a dead process is reported within 5 s
-GONE_S = 5.0  # the promise: no runtime process outlives its client by more than 5 s
+GONE_S = 1.0  # the promise: no runtime process outlives its client by more than 1 s
 
 # A client that kills one of its own runtime's processes, then keeps working until dtorch
 # raises; it reports how long that took, then restarts the runtime.

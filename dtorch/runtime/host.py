@@ -179,7 +179,10 @@ class KernelRun:
         except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
             failure = (site, call.name, f"{type(e).__name__}: {e}")
         if agreed is not None:
-            agreed.wait()
+            try:
+                agreed.wait()
+            except Exception as e:  # noqa: BLE001 - e.g. a peer missed the deadline
+                failure = failure or (site, call.name, f"{type(e).__name__}: {e}")
         if error is not None:
             return self._fail(error, report=False)
         if failure is not None:
