@@ -96,7 +96,8 @@ class SetGraph(NamedTuple):
 
 
 class HostFetch(NamedTuple):
-    """A Fetch placed on the stream that last wrote the tensor: it needs no waits."""
+    """A Fetch placed on the stream of its storage's last write, or of its view's making if
+    that came later: it needs no waits (``passes.assign_streams``)."""
 
     tag: int
     id: int

@@ -3,7 +3,8 @@
 Operands are tensor ids; an Operator is one call of an operator (its CallInfo says which
 operator, the specs of its operands and results, static args and flags). The controller holds
 only the incremental subgraph of the batch in hand; what was dispatched is remembered just as far
-as later batches need it (which stream produced each live operand: see ``passes.assign_streams``).
+as later batches need it (where each live storage was last written and read: see
+``passes.assign_streams``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ class CallInfo(NamedTuple):
     static: bytes
     flags: int
     reads: tuple  # where the tensor operands stand in an Operator's record
+    scope: int  # the devices a host queues the kernel on, interned (LogicalGraph.scope)
 
     @classmethod
-    def from_record(cls, rec) -> CallInfo:
+    def from_record(cls, rec, scope: int) -> CallInfo:
         _, i, op, inputs, outputs, static, flags = rec
         first = 4 + len(outputs)
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
-        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads)
+        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope)
 
 
 class Operator:
@@ -84,6 +86,7 @@ class LogicalGraph:
         self.graph = 0  # the client's current dtorch.Graph
         self._temp_ids = itertools.count(-1, -1)  # controller-made operands and specs
         self._call_ids = itertools.count(-1, -1)
+        self._scopes: dict = {}  # frozenset of (device type, device) -> small int
 
     # -- definitions ----------------------------------------------------------------------------
     def define(self, rec) -> None:
@@ -97,9 +100,17 @@ class LogicalGraph:
             self.specs[i] = spec
             self.spec_ids.setdefault(spec, i)
         elif tag == P.DEFINE_CALL:
-            self.calls[rec[1]] = CallInfo.from_record(rec)
+            self.calls[rec[1]] = CallInfo.from_record(rec, self.scope((*rec[3], *rec[4])))
         if not (tag == P.DEFINE_CALL and rec[2] == "redistribute"):  # lowered, never sent
             self.definitions.append(rec)
+
+    def scope(self, spec_ids) -> int:
+        """The devices of these specs' meshes as one small int. A host queues a kernel (and the
+        events of its WAIT) on every local device of its operands' and results' meshes, so two
+        calls of one scope wait on the same devices."""
+        meshes = {self.specs[i].mesh for i in spec_ids if i}
+        key = frozenset((m.device_type, d) for m in meshes for d in m.devices)
+        return self._scopes.setdefault(key, len(self._scopes))
 
     def spec_id(self, spec, out: list) -> int:
         """Id of a spec the controller made (defined to the hosts through ``out``)."""
