@@ -26,6 +26,9 @@ from typing import NamedTuple
 
 import msgpack
 
+from .placement import decode_placement, encode_placement
+from .spec import intern_spec
+
 # call flags (DefineCall.flags): what the controller must know of an operator without its entry
 INPLACE = 1  # writes operand 0 and returns it
 VIEW = 2  # output aliases operand 0's storage
@@ -58,6 +61,18 @@ class DefineSpec(NamedTuple):
     placements: list  # encoded placements: "S0", "R", "Psum"
 
 
+def define_spec(spec_id: int, spec, mesh_id: int) -> DefineSpec:
+    """The record that defines ``spec`` (a TensorSpec) to the other roles."""
+    return DefineSpec(DEFINE_SPEC, spec_id, list(spec.shape), spec.dtype, mesh_id,
+                      [encode_placement(p) for p in spec.placements])
+
+
+def decode_spec(rec, meshes: dict):
+    """The interned TensorSpec a DefineSpec record (a list off the wire) defines."""
+    d = DefineSpec(*rec)
+    return intern_spec(d.shape, d.dtype, meshes[d.mesh], map(decode_placement, d.placements))
+
+
 class DefineCall(NamedTuple):
     """One call shape of an operator: everything about a call that is not an id or a value."""
 
@@ -73,10 +88,31 @@ class DefineCall(NamedTuple):
 # Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
 # Kernel: (KERNEL, call, site, stream, *outs, *operands) controller -> hosts
 #         ``site`` indexes the client's table of the user's file:line, echoed back in errors.
+#         The record stays a flat tuple (the hot path builds one per operator); its fields are
+#         read by the names below, and how many results and operands it has by its DefineCall.
 # Chain:  (CHAIN, kernel, kernel, ...) kernels each reading the previous one's only result, which
 #         gets no blob: one host task runs them all (see controller/passes.fuse_chains).
 # Wait:   (WAIT, *streams)  the next Kernel first waits for the work queued so far on these
 #         streams (the host records an Event on each).
+
+
+OP_CALL, OP_SITE, OP_STREAM, OP_OUTS = 1, 2, 3, 4  # OP_OUTS: the first result's id
+
+
+def op_outs(rec, n_outs: int):
+    """The result ids of an Op/Kernel record whose call has ``n_outs`` results."""
+    return rec[OP_OUTS:OP_OUTS + n_outs]
+
+
+def op_operands(rec, n_outs: int):
+    """The operands (tensor ids and scalar values) of an Op/Kernel record."""
+    return rec[OP_OUTS + n_outs:]
+
+
+def is_definition(rec) -> bool:
+    """A DefineMesh, DefineSpec or DefineCall record (not a release, a bare int, nor one of
+    the controller's graph nodes)."""
+    return isinstance(rec, (list, tuple)) and rec[0] <= DEFINE_CALL
 
 
 class Fetch(NamedTuple):

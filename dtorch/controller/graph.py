@@ -13,8 +13,7 @@ import itertools
 from typing import NamedTuple
 
 from .. import protocol as P
-from ..placement import decode_placement, encode_placement
-from ..spec import MeshInfo, intern_spec
+from ..spec import MeshInfo
 
 
 class CallInfo(NamedTuple):
@@ -30,7 +29,7 @@ class CallInfo(NamedTuple):
     @classmethod
     def from_record(cls, rec, scope: int) -> CallInfo:
         _, i, op, inputs, outputs, static, flags = rec
-        first = 4 + len(outputs)
+        first = P.OP_OUTS + len(outputs)
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
         return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope)
 
@@ -45,7 +44,7 @@ class Operator:
     def __init__(self, call: CallInfo, rec: list):
         self.call, self.rec = call, rec
         reads = call.reads
-        self.outs = rec[4:4 + len(call.outputs)]
+        self.outs = P.op_outs(rec, len(call.outputs))
         # the common arities spelled out: this runs once per operator
         if len(reads) == 1:
             self.inputs = (rec[reads[0]],)
@@ -57,19 +56,19 @@ class Operator:
 
     @classmethod
     def make(cls, call: CallInfo, site: int, outs, operands) -> Operator:
-        return cls(call, [0, call.id, site, 0, *outs, *operands])
+        return cls(call, [P.OP, call.id, site, 0, *outs, *operands])
 
     @property
     def operands(self) -> list:
-        return self.rec[4 + len(self.call.outputs):]
+        return P.op_operands(self.rec, len(self.call.outputs))
 
     @property
     def site(self) -> int:
-        return self.rec[2]
+        return self.rec[P.OP_SITE]
 
     @property
     def stream(self) -> int:
-        return self.rec[3]
+        return self.rec[P.OP_STREAM]
 
     def __repr__(self) -> str:
         return f"{self.call.op}{tuple(self.operands)}->{self.outs}@{self.stream}"
@@ -92,17 +91,17 @@ class LogicalGraph:
     def define(self, rec) -> None:
         tag = rec[0]
         if tag == P.DEFINE_MESH:
-            _, i, device_type, shape, devices = rec
-            self.meshes[i] = MeshInfo(device_type, shape, devices, i)
+            m = P.DefineMesh(*rec)
+            self.meshes[m.id] = MeshInfo(m.device_type, m.shape, m.devices, m.id)
         elif tag == P.DEFINE_SPEC:
-            _, i, shape, dtype, mesh, placements = rec
-            spec = intern_spec(shape, dtype, self.meshes[mesh], map(decode_placement, placements))
-            self.specs[i] = spec
-            self.spec_ids.setdefault(spec, i)
+            spec = self.specs[rec[1]] = P.decode_spec(rec, self.meshes)
+            self.spec_ids.setdefault(spec, rec[1])
         elif tag == P.DEFINE_CALL:
-            self.calls[rec[1]] = CallInfo.from_record(rec, self.scope((*rec[3], *rec[4])))
-        if not (tag == P.DEFINE_CALL and rec[2] == "redistribute"):  # lowered, never sent
-            self.definitions.append(rec)
+            c = P.DefineCall(*rec)
+            self.calls[c.id] = CallInfo.from_record(rec, self.scope((*c.inputs, *c.outputs)))
+            if c.op == "redistribute":  # lowered here, never sent
+                return
+        self.definitions.append(rec)
 
     def scope(self, spec_ids) -> int:
         """The devices of these specs' meshes as one small int. A host queues a kernel (and the
@@ -117,8 +116,7 @@ class LogicalGraph:
         i = self.spec_ids.get(spec)
         if i is None:
             i = next(self._temp_ids)
-            rec = [P.DEFINE_SPEC, i, list(spec.shape), spec.dtype, spec.mesh.wire_id,
-                   [encode_placement(p) for p in spec.placements]]
+            rec = list(P.define_spec(i, spec, spec.mesh.wire_id))
             self.define(rec)
             out.append(rec)
         return i
@@ -130,11 +128,11 @@ class LogicalGraph:
         key = (kind, src_id, dst_id, static)
         call = self.step_calls.get(key)
         if call is None:
-            rec = [P.DEFINE_CALL, next(self._call_ids), P.STEP_PREFIX + kind, [src_id], [dst_id],
-                   static, flags]
+            rec = P.DefineCall(P.DEFINE_CALL, next(self._call_ids), P.STEP_PREFIX + kind,
+                               [src_id], [dst_id], static, flags)
             self.define(rec)
             out.append(rec)
-            call = self.step_calls[key] = self.calls[rec[1]]
+            call = self.step_calls[key] = self.calls[rec.id]
         return call
 
     def temp_id(self) -> int:

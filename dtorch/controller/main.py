@@ -116,15 +116,16 @@ class Controller:
             if type(rec) is int:
                 nodes.append(rec)
             elif rec[0] == P.OP:
-                nodes.append(Operator(calls[rec[1]], rec))
-            elif rec[0] <= P.DEFINE_CALL:
+                nodes.append(Operator(calls[rec[P.OP_CALL]], rec))
+            elif P.is_definition(rec):
                 self.graph.define(rec)
                 if rec[0] == P.DEFINE_MESH:
-                    self.ensure_hosts(rec[2], rec[4])
-                if rec[0] != P.DEFINE_CALL or rec[2] != "redistribute":
+                    mesh = P.DefineMesh(*rec)
+                    self.ensure_hosts(mesh.device_type, mesh.devices)
+                if rec[0] != P.DEFINE_CALL or P.DefineCall(*rec).op != "redistribute":
                     nodes.append(rec)
             elif rec[0] == P.SYNC:
-                self.syncs[rec[1]] = {h.index for h in self.hosts.values()}
+                self.syncs[P.Sync(*rec).token] = {h.index for h in self.hosts.values()}
                 nodes.append(rec)
             elif rec[0] == P.SHUTDOWN:
                 self.running = False

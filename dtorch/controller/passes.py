@@ -26,10 +26,6 @@ def compute_stream(graph_id: int) -> int:
 # -- lower_redistribute ---------------------------------------------------------------------------
 
 
-def _is_definition(node) -> bool:
-    return isinstance(node, (list, tuple)) and node[0] <= P.DEFINE_CALL
-
-
 def lower_redistribute(graph, nodes: list) -> list:
     """Replaces each redistribute by its plan: one Operator per step (collectives and local
     slicing), with controller-made temporaries released right after use.
@@ -39,9 +35,9 @@ def lower_redistribute(graph, nodes: list) -> list:
     defines later in the batch; the hosts must have it before the step that uses it."""
     if not any(type(n) is Operator and n.call.op == "redistribute" for n in nodes):
         return nodes
-    out = [node for node in nodes if _is_definition(node)]
+    out = [node for node in nodes if P.is_definition(node)]
     for node in nodes:
-        if _is_definition(node):
+        if P.is_definition(node):
             continue
         if not (isinstance(node, Operator) and node.call.op == "redistribute"):
             out.append(node)
@@ -118,7 +114,7 @@ def eliminate_dead_code(graph, nodes: list) -> list:
             for i in node.inputs:
                 unread_released.discard(i)
         elif node[0] == P.FETCH:
-            unread_released.discard(node[1])
+            unread_released.discard(P.Fetch(*node).id)
     return [
         n for n, kept in zip(nodes, keep) if kept and not (type(n) is int and n in dead_releases)
     ]
@@ -175,7 +171,7 @@ def assign_streams(graph, nodes: list) -> list:
         if type(node) is Operator:
             flags = node.call.flags
             s = COMM_STREAM if flags & COMM else compute_stream(graph.graph)
-            node.rec[3] = s
+            node.rec[P.OP_STREAM] = s
             pos = position[s] = position.get(s, 0) + 1
             after = None  # stream -> the position on it this kernel must come after
             for i in node.inputs:
@@ -206,9 +202,11 @@ def assign_streams(graph, nodes: list) -> list:
                 storages[r] = m
             out.append(node)
         elif node[0] == P.FETCH:
-            out.append(P.HostFetch(P.FETCH, node[1], node[2], _fetch_stream(graph, node[1])))
+            fetch = P.Fetch(*node)
+            out.append(P.HostFetch(P.FETCH, fetch.id, fetch.request,
+                                   _fetch_stream(graph, fetch.id)))
         elif node[0] == P.SET_GRAPH:
-            graph.graph = node[1]
+            graph.graph = P.SetGraph(*node).graph
         else:
             out.append(node)
     return out
@@ -307,7 +305,7 @@ def _wait_for(st: StreamState, node: Operator, t: int, pos: int) -> None:
     far already. The host records the event at t's tail, so the wait covers all of t queued so
     far, and all that t had waited for: that is kept too, so a wait through a third stream is
     not repeated."""
-    s, scope = node.rec[3], node.call.scope
+    s, scope = node.rec[P.OP_STREAM], node.call.scope
     covered = st.covered.get((s, scope))
     if covered is None:
         covered = st.covered[s, scope] = {}
@@ -349,7 +347,8 @@ def fuse_chains(graph, nodes: list) -> list:
         elif type(node) is int:
             released.add(node)
         elif node[0] == P.FETCH:
-            reads[node[1]] = reads.get(node[1], 0) + 2  # never an internal link
+            fetched = P.HostFetch(*node).id  # assign_streams has placed it
+            reads[fetched] = reads.get(fetched, 0) + 2  # never an internal link
     out, chain, held, links = [], [], [], set()
 
     def close():

@@ -35,8 +35,7 @@ from .. import config, protocol as P
 from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..ops.creation import CLIENT_ONLY
-from ..placement import decode_placement
-from ..spec import MeshInfo, coordinate_of, group_devices, intern_spec
+from ..spec import MeshInfo, coordinate_of, group_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Stream
@@ -291,19 +290,17 @@ class Host:
 
     # -- records --------------------------------------------------------------------------------
     def on_define_mesh(self, rec) -> None:
-        _, i, device_type, shape, devices = rec
-        self.meshes[i] = MeshInfo(device_type, shape, devices, i)
+        m = P.DefineMesh(*rec)
+        self.meshes[m.id] = MeshInfo(m.device_type, m.shape, m.devices, m.id)
 
     def on_define_spec(self, rec) -> None:
-        _, i, shape, dtype, mesh, placements = rec
-        self.specs[i] = intern_spec(shape, dtype, self.meshes[mesh],
-                                    map(decode_placement, placements))
+        self.specs[P.DefineSpec(*rec).id] = P.decode_spec(rec, self.meshes)
 
     def on_define_call(self, rec) -> None:
-        self.calls[rec[1]] = HostCall(self, rec)
+        self.calls[P.DefineCall(*rec).id] = HostCall(self, rec)
 
     def on_wait(self, rec) -> None:
-        self.waits = rec[1:]  # for the next kernel
+        self.waits = rec[1:]  # (WAIT, *streams): for the next kernel
 
     def on_kernel(self, rec) -> None:
         self.on_chain((P.CHAIN, rec))
@@ -311,16 +308,16 @@ class Host:
     def on_chain(self, rec) -> None:
         """A kernel, or a chain of kernels each reading the one before (only the last one's
         results become blobs), queued for every local device of the last kernel's mesh."""
-        members = [(self.calls[m[1]], m) for m in rec[1:]]
+        members = [(self.calls[m[P.OP_CALL]], m) for m in rec[1:]]
         call, last = members[-1]
-        outs = last[4:4 + call.n_out]
+        outs = P.op_outs(last, call.n_out)
         waits, self.waits = self.waits, None
         for dev in call.devices:
             steps, prev = [], None
             for c, m in members:
                 steps.append((c, c.context(dev) if c.uses_context else None,
-                              self.operands(c, dev, m, prev), m[2]))
-                prev = m[4]
+                              self.operands(c, dev, m, prev), m[P.OP_SITE]))
+                prev = m[P.OP_OUTS]
             if call.inplace:
                 outputs = [steps[-1][2][0]]
             elif dev in call.out_devices:
@@ -332,7 +329,8 @@ class Host:
             else:
                 outputs = []
             events = self.record_events(dev, waits) if waits else None
-            dev.stream(last[3]).put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
+            dev.stream(last[P.OP_STREAM]).put(KernelRun(steps, outputs, events, self,
+                                                       outs[0] if outs else 0))
 
     def record_events(self, dev: Device, streams) -> list:
         """An Event recorded on each of ``streams`` after the work queued there so far."""
@@ -346,14 +344,14 @@ class Host:
     def operands(self, call: HostCall, dev: Device, rec, prev) -> list:
         """A kernel's operands on ``dev``: Blobs for tensors (PREV for the chain's previous
         result, whose id ``prev`` has no blob), values for scalars."""
-        operands, blobs = rec[4 + call.n_out:], dev.blobs
+        operands, blobs = P.op_operands(rec, call.n_out), dev.blobs
         if call.all_tensors:
             inputs = [PREV if o == prev else blobs.get(o) for o in operands]
         else:
             inputs = [(PREV if o == prev else blobs.get(o)) if m else o
                       for o, m in zip(operands, call.mask)]
         if None in inputs:
-            inputs = self.check_inputs(call, dev, inputs, operands, rec[2])
+            inputs = self.check_inputs(call, dev, inputs, operands, rec[P.OP_SITE])
         return inputs
 
     def check_inputs(self, call: HostCall, dev: Device, inputs, operands, site) -> list:
@@ -401,7 +399,7 @@ class Host:
         self.send(P.Value(P.VALUE, request, list(coord), list(t.shape), str(t.dtype)[6:]), data)
 
     def on_sync(self, rec) -> None:
-        token = rec[1]
+        token = P.Sync(*rec).token
         streams = [s for dev in self.devices.values() for s in dev.streams.values()]
         if not streams:
             self.send(P.Synced(P.SYNCED, token, self.index))
@@ -420,7 +418,7 @@ class Host:
             s.put(done)
 
     def on_welcome(self, rec) -> None:
-        self._store_path = rec[1]
+        self._store_path = P.Welcome(*rec).store_path
 
     HANDLERS = {
         P.DEFINE_MESH: on_define_mesh,
