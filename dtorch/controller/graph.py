@@ -94,8 +94,9 @@ class LogicalGraph:
             m = P.DefineMesh(*rec)
             self.meshes[m.id] = MeshInfo(m.device_type, m.shape, m.devices, m.id)
         elif tag == P.DEFINE_SPEC:
-            spec = self.specs[rec[1]] = P.decode_spec(rec, self.meshes)
-            self.spec_ids.setdefault(spec, rec[1])
+            spec_id = P.DefineSpec(*rec).id
+            spec = self.specs[spec_id] = P.decode_spec(rec, self.meshes)
+            self.spec_ids.setdefault(spec, spec_id)
         elif tag == P.DEFINE_CALL:
             c = P.DefineCall(*rec)
             self.calls[c.id] = CallInfo.from_record(rec, self.scope((*c.inputs, *c.outputs)))
