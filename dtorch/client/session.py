@@ -7,9 +7,9 @@ that completes TensorFutures, collects kernel errors and watches the controller'
 The controller process is started on first use and dies with this process (see
 ``cluster/local.py``); its sockets admit only this runtime's processes (``cluster/auth.py``).
 
-Nothing the user issued is lost: records leave the buffer only once their frame is on its way
-(Ctrl-C waits for that), a record that cannot be serialized is taken out and reported at the
-user's next call with its call site, and the flusher thread survives any error. Flow control:
+Nothing the user issued is lost: a batch taken from the buffer is always sent (Ctrl-C waits for
+that), a record that cannot be serialized is taken out and reported at the user's next call with
+its call site, and the flusher thread survives any error. Flow control:
 every ``max_inflight_ops / MARKS`` records the client sends a *mark* (a sync that raises
 nothing), and once ``MARKS`` marks are outstanding the user's thread waits for the oldest, so
 however far ahead a program runs, at most about ``max_inflight_ops`` records are in flight.
@@ -158,15 +158,15 @@ class Session:
                 if not block:
                     return
                 marks.popleft().get()  # raises if the runtime failed meanwhile
-            batch = list(itertools.islice(records, n))
-            try:
-                frame = P.pack(batch)
-            except Exception:  # noqa: BLE001 - one bad record must not take the batch with it
-                frame = P.pack(self._take_unsendable(batch))
-            with _sigint_deferred():  # sent and removed, or neither
+            # Popped, not iterated: ``release`` appends from ``__del__`` on any thread meanwhile.
+            # Ctrl-C waits for the send, so a batch taken from the buffer is always sent.
+            with _sigint_deferred():
+                batch = [records.popleft() for _ in range(n)]
+                try:
+                    frame = P.pack(batch)
+                except Exception:  # noqa: BLE001 - one bad record must not take the batch along
+                    frame = P.pack(self._take_unsendable(batch))
                 self._send(frame)
-                for _ in range(n):
-                    records.popleft()
             self.unmarked += n
             if self.unmarked * MARKS >= config.max_inflight_ops:
                 self._mark()
