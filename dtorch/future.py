@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 
 
 class TensorFuture:
@@ -35,7 +36,10 @@ class TensorFuture:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - the receiver thread completes every future:
+                traceback.print_exc()  # a user's callback must not end it
 
     # -- user API -------------------------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -73,7 +77,15 @@ class TensorFuture:
         waiter = loop.create_future()
 
         def wake(_):
-            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+            # runs on the receiver thread, maybe long after the awaiting task gave up (a
+            # wait_for that timed out, a cancelled task, a loop that has closed since): then
+            # there is no one left to wake, and raising here would kill the receiver thread
+            if loop.is_closed():
+                return
+            try:
+                loop.call_soon_threadsafe(_settle, waiter)
+            except RuntimeError:  # the loop closed between the check and the call
+                pass
 
         self.add_done_callback(wake)
         yield from waiter.__await__()
@@ -82,3 +94,9 @@ class TensorFuture:
     def __repr__(self) -> str:
         state = "ready" if self.is_ready() else "pending"
         return f"TensorFuture({state})"
+
+
+def _settle(waiter) -> None:
+    """Wakes an awaiting task, unless it was cancelled (or woken) already."""
+    if not waiter.done():
+        waiter.set_result(None)

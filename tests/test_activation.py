@@ -15,7 +15,7 @@ import torch.nn.functional as TF
 import dtorch
 import dtorch.nn.functional as F
 from dtorch import Partial, Replicate, Shard
-from helpers import all_placements, assert_close, check_like_torch, distribute
+from helpers import all_placements, assert_close, assert_refused, check_like_torch, distribute
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -86,26 +86,28 @@ def test_pointwise_partials(mesh1):
             assert out.placements == [Partial(op)]
             assert_close(out, getattr(TF, name)(t))
     for name, _ in POINTWISE:
-        with pytest.raises(ValueError, match="redistribute"):
-            getattr(F, name)(distribute(t, mesh1, [P]))
+        assert_refused(getattr(F, name), distribute(t, mesh1, [P]))
 
 
 # -- softmax and norms over every placement -------------------------------------------------------
 
-# name -> (kwargs, shapes of (input, *operands)); weights span the normalized dims
+# name -> (kwargs, shapes of (input, *operands), the input dims that must be whole (docs/ops.md:
+# a softmax's dim, the normalized dims, a group's channels and space); weights span the
+# normalized dims. A Partial input is refused throughout.
 MIXING = {
-    "softmax d1": ("softmax", {"dim": 1}, [(5, 7, 3)]),
-    "softmax d-1 float64": ("softmax", {"dim": -1, "dtype": torch.float64}, [(5, 7, 3)]),
-    "log_softmax d0": ("log_softmax", {"dim": 0}, [(5, 7, 3)]),
-    "layer_norm": ("layer_norm", {"normalized_shape": (3,)}, [(5, 7, 3), (3,), (3,)]),
+    "softmax d1": ("softmax", {"dim": 1}, [(5, 7, 3)], {1}),
+    "softmax d-1 float64": ("softmax", {"dim": -1, "dtype": torch.float64}, [(5, 7, 3)], {2}),
+    "log_softmax d0": ("log_softmax", {"dim": 0}, [(5, 7, 3)], {0}),
+    "layer_norm": ("layer_norm", {"normalized_shape": (3,)}, [(5, 7, 3), (3,), (3,)], {2}),
     "layer_norm 2 dims": ("layer_norm", {"normalized_shape": [7, 3], "eps": 1e-3},
-                          [(5, 7, 3)]),
-    "rms_norm": ("rms_norm", {"normalized_shape": (3,)}, [(5, 7, 3), (3,)]),
-    "rms_norm eps": ("rms_norm", {"normalized_shape": (7, 3), "eps": 1e-2}, [(5, 7, 3)]),
-    "group_norm": ("group_norm", {"num_groups": 2}, [(5, 4, 3), (4,), (4,)]),
+                          [(5, 7, 3)], {1, 2}),
+    "rms_norm": ("rms_norm", {"normalized_shape": (3,)}, [(5, 7, 3), (3,)], {2}),
+    "rms_norm eps": ("rms_norm", {"normalized_shape": (7, 3), "eps": 1e-2}, [(5, 7, 3)], {1, 2}),
+    "group_norm": ("group_norm", {"num_groups": 2}, [(5, 4, 3), (4,), (4,)], {1, 2}),
     # one value per group in a block of one sample: torch's check is on the whole tensor
-    "group_norm 2-D": ("group_norm", {"num_groups": 2}, [(4, 2)]),
-    "batch_norm": ("batch_norm", {}, [(5, 4, 3), (4,), (4,), (4,), (4,)]),
+    "group_norm 2-D": ("group_norm", {"num_groups": 2}, [(4, 2)], {1}),
+    # channels shard with the per-channel operands (S(0) there), other dims with them whole
+    "batch_norm": ("batch_norm", {}, [(5, 4, 3), (4,), (4,), (4,), (4,)], set()),
 }
 
 
@@ -133,27 +135,23 @@ def operand_values(shapes):
 @pytest.mark.parametrize("mesh_name", ["one", "mesh1", "mesh2"])
 def test_mixing_ops_over_placements(case, mesh_name, request):
     """Every input placement (weights Replicate, or sharded like the input's channel dim for
-    batch_norm): torch's values, or a ValueError naming the redistribute to make."""
-    name, kw, shapes = MIXING[case]
+    batch_norm): refused where MIXING says a dim must be whole or the input is Partial, else
+    torch's values with the input's placements."""
+    name, kw, shapes, whole = MIXING[case]
     mesh = request.getfixturevalue(mesh_name)
     ts = operand_values(shapes)
     fn = mixing_call(name, kw)
     expected = fn(*ts)
-    ran = 0
     for placements in all_placements(mesh.ndim, len(shapes[0])):
         x = distribute(ts[0], mesh, placements)
         param = [S0 if p == S1 and name == "batch_norm" else R for p in placements]
         xs = [x] + [distribute(t, mesh, param) for t in ts[1:]]
-        try:
-            out = fn(*xs)
-        except ValueError as e:
-            assert "redistribute(" in str(e)
-            assert any(p.is_partial() or p.is_shard() for p in placements)
+        if any(p.is_partial() or p.is_shard() and p.dim in whole for p in placements):
+            assert_refused(fn, *xs, op=name)
             continue
-        ran += 1
+        out = fn(*xs)
         assert out.placements == placements
         assert_close(out, expected, exact=mesh_name == "one")
-    assert ran > 1 or mesh_name == "one"
 
 
 def test_mixing_errors_name_the_fix(mesh1):

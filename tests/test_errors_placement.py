@@ -4,13 +4,17 @@ works when applied as written; and a failed call leaves the runtime usable."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import threading
 
 import pytest
 import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from dtorch.future import TensorFuture
 from helpers import assert_close, distribute
 
 R, S0, S1, S2, P = Replicate(), Shard(0), Shard(1), Shard(2), Partial()
@@ -160,10 +164,51 @@ def test_kernel_error_is_reported_and_the_runtime_survives(mesh1):
     bad = x ** -1
     with pytest.raises(RuntimeError, match=r"pow.*test_errors_placement\.py:\d+"):
         bad.to_torch()
-    try:
-        dtorch.sync()
-    except RuntimeError:  # the same failure may be raised once more by the next wait
-        pass
+    # every device reported it before its block's answer (a host sends in stream order), and
+    # the client tells a failure once: the next sync has nothing to raise; reading the poisoned
+    # value again raises again
+    dtorch.sync()
+    with pytest.raises(RuntimeError, match="pow"):
+        bad.to_torch()
     del bad
     assert_close((x * 3).sum(dim=0), (i * 3).sum(dim=0))
     dtorch.sync()
+
+
+def test_a_late_failure_after_an_await_timed_out_leaves_the_runtime_usable(mesh1):
+    """asyncio.wait_for gives up on a TensorFuture and its loop closes; the value fails later.
+    Completing it must not raise on the receiver thread (a closed loop takes no callback), which
+    would end the thread that completes every future."""
+    fut = TensorFuture()
+
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, 0.001)
+
+    asyncio.run(give_up())  # the loop is closed now, the future's callback still registered
+    errors = []
+    previous, threading.excepthook = threading.excepthook, errors.append
+    try:
+        finisher = threading.Thread(target=fut._finish, kwargs={"error": RuntimeError("late")})
+        finisher.start()
+        finisher.join()
+    finally:
+        threading.excepthook = previous
+    assert not errors
+    with pytest.raises(RuntimeError, match="late"):
+        fut.get()
+    # and on the runtime: a failing value awaited too briefly (it may fail before the timeout
+    # or after the loop closed: either way its future fails, once read, and the runtime answers)
+    x = distribute(torch.arange(6).reshape(3, 2), mesh1, [S0])
+    late = (x ** -1).to_torch_async()
+
+    async def too_brief():
+        with contextlib.suppress(asyncio.TimeoutError, RuntimeError):
+            await asyncio.wait_for(late, 1e-4)
+
+    asyncio.run(too_brief())
+    assert late.wait(60)
+    with pytest.raises(RuntimeError, match="pow"):
+        late.get()
+    dtorch.sync()
+    assert_close((x * 3).sum(), torch.tensor(45))

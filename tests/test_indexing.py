@@ -1,8 +1,9 @@
 """Indexing against plain torch: ``x[index]``, ``x[index] = v``, the indexing functions and the
 value-dependent ops, over meshes x placements x dtypes x uneven sizes.
 
-A call either raises ValueError at the call (an index touches a sharded dim) or gives torch's
-values; hypothesis draws the indices. Whole dims keep their shards.
+A call raises ValueError at the call exactly where the docs say (an index touches a sharded dim,
+a number written into a Partial, a Partial sorted) and otherwise gives torch's values; hypothesis
+draws the indices. Whole dims keep their shards.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from dtorch import Partial, Replicate, Shard
 from helpers import (
     TORCH_RAISED,
     assert_close,
+    assert_executed,
+    assert_refused,
+    check_like_torch,
     distribute,
     fixture_settings,
     layout_fixture,
     layout_id,
+    lib,
     sample,
     torch_expected,
 )
@@ -35,19 +40,26 @@ LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S2,)), ("mesh1", (P,)),
 layout = layout_fixture(LAYOUTS)
 
 
-def check(fn, xs, ts, exact):
-    """``fn`` gives torch's values, or torch's exception type, or a ValueError at the call
-    (placements it cannot take); returns whether it ran."""
-    expected = torch_expected(fn, ts, xs)
-    if expected is TORCH_RAISED:
-        return False
-    try:
-        got = fn(*xs)
-    except ValueError as e:
-        assert "redistribute" in str(e)
-        return False
-    assert_close(got, expected, exact)
-    return True
+def touched(index, shape) -> set:
+    """The dims an index touches (docs/ops.md: an int, a slice that is not the whole dim, an
+    index tensor or list, a mask); the others pass whole."""
+    items = index if isinstance(index, tuple) else (index,)
+    used = sum(1 for item in items if item is not None and item is not Ellipsis)
+    dims, d = set(), 0
+    for item in items:
+        if item is None:
+            continue
+        if item is Ellipsis:
+            d += len(shape) - used
+            continue
+        if not (isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1)):
+            dims.add(d)
+        d += 1
+    return dims
+
+
+def shards_any(placements, dims) -> bool:
+    return any(p.is_shard() and p.dim in dims for p in placements)
 
 
 # -- __getitem__ ----------------------------------------------------------------------------------
@@ -66,7 +78,7 @@ WHOLE_DIM_INDICES = {  # the sharded dims (0 and 2 in LAYOUTS) pass whole: never
     "int+ellipsis": (Ellipsis, 2, slice(None)),
     "mask-torch": (slice(None), torch.tensor([True, False, True, True])),
 }
-TOUCHING_INDICES = {  # these index a dim some layouts shard
+TOUCHING_INDICES = {  # these index a dim some layouts shard: refused there
     "first-int": 3,
     "first-slice": slice(1, 4),
     "adv-apart": ([0, 1], slice(None), [2, 3]),
@@ -95,7 +107,8 @@ def test_getitem_touching(name, layout):
     t = sample(SHAPE)
     x = distribute(t, mesh, placements)
     index = TOUCHING_INDICES[name]
-    if check(lambda v: v[index], [x], [t], exact):
+    refused = shards_any(placements, touched(index, SHAPE))
+    if check_like_torch(lambda v: v[index], [x], [t], exact, refused=refused, op="getitem"):
         return
     y = x.redistribute(placements=[R] * mesh.ndim)[index]
     assert_close(y, t[index], exact)
@@ -112,7 +125,7 @@ def test_getitem_errors(mesh1):
     t = sample(SHAPE)
     x = distribute(t, mesh1, [R])
     for bad in (7, (0, 0, 0, 0), 1.5, (slice(None), slice(None, None, -1))):
-        check(lambda v: v[bad], [x], [t], False)
+        assert torch_expected(lambda v: v[bad], [t], [x]) is TORCH_RAISED
     with pytest.raises(IndexError, match="mask"):
         x[torch.tensor([True, False])]
 
@@ -133,25 +146,26 @@ def index_items(shape):
                                           if cut[1] == 2 else ()) + items[cut[0]:]))
 
 
-@HYPOTHESIS
-@given(data=st.data())
-def test_getitem_hypothesis(data, mesh1, mesh2):
-    mesh, placements = data.draw(st.sampled_from([(mesh1, [S0]), (mesh1, [S1]), (mesh2, [S1, S0]),
-                                                  (mesh2, [P, S2]), (mesh1, [R])]))
-    t = sample(SHAPE)
-    x = distribute(t, mesh, placements)
-    index = data.draw(index_items(SHAPE))
-    ran = check(lambda v: v[index], [x], [t], False)
-    if all(p.is_replicate() or p.is_partial() for p in placements):
-        assert ran or _torch_refuses(t, index)
+def test_getitem_hypothesis(mesh1, mesh2):
+    """Random indices over sharded and Partial layouts: refused exactly when the index touches
+    a sharded dim, else torch's values."""
+    executed = []
 
+    @HYPOTHESIS
+    @given(data=st.data())
+    def example(data):
+        mesh, placements = data.draw(st.sampled_from([
+            (mesh1, [S0]), (mesh1, [S1]), (mesh2, [S1, S0]), (mesh2, [P, S2]), (mesh1, [R]),
+            (mesh1, [Partial("max")]), (mesh2, [P, Partial("avg")]), (mesh2, [R, P])]))
+        t = sample(SHAPE)
+        x = distribute(t, mesh, placements)
+        index = data.draw(index_items(SHAPE))
+        refused = shards_any(placements, touched(index, SHAPE))
+        if check_like_torch(lambda v: v[index], [x], [t], refused=refused, op="getitem"):
+            executed.append(index)
 
-def _torch_refuses(t, index) -> bool:
-    try:
-        t[index]
-    except Exception:  # noqa: BLE001
-        return True
-    return False
+    example()
+    assert_executed({"getitem": len(executed)}, ["getitem"], 10)
 
 
 def test_getitem_dtorch_index_tensor(mesh2):
@@ -197,21 +211,60 @@ def test_setitem(name, layout):
         return v
 
     expected = run(t.clone(), value)
-    for vp in ([R] * mesh.ndim, placements):
+    view = t[index].shape
+    values = [value] if not isinstance(value, torch.Tensor) else [
+        (distribute(value, mesh, vp, seed=1), vp) for vp in ([R] * mesh.ndim, placements)
+        if all(not p.is_shard() or p.dim < value.dim() for p in vp)]
+    for v in values:
         x = distribute(t, mesh, placements)
-        dv = value
-        if isinstance(value, torch.Tensor):
-            try:
-                dv = distribute(value, mesh, vp)
-            except (IndexError, ValueError):  # a shard dim the value does not have
-                continue
-        try:
-            run(x, dv)
-        except ValueError as e:
-            assert "redistribute" in str(e)
+        dv, vp = v if isinstance(v, tuple) else (v, None)
+        if setitem_refused(placements, vp, index, view, value):
+            assert_refused(run, x, dv, op="setitem")
             continue
-        assert_close(x, expected, exact)
+        run(x, dv)
         assert x.placements == placements
+        assert_close(x, expected, exact)
+
+
+def setitem_refused(placements, value_placements, index, view, value) -> bool:
+    """docs/ops.md, per mesh dim: a touched dim of ``x`` must not be sharded; a whole one may,
+    the value then sharded alike (its matching dim at full size), Replicate (chunked locally) or
+    broadcast; a Partial ``x`` takes only a value of the same Partial (a number would be written
+    on every device); a Replicate ``x`` only a Replicate value."""
+    places = view_places(index, SHAPE)
+    for i, p in enumerate(placements):
+        q = value_placements[i] if value_placements else None
+        if p.is_partial() and q != p or q is not None and q.is_partial() and q != p:
+            return True
+        if p.is_replicate() and q is not None and q.is_shard():
+            return True
+        if p.is_shard():
+            if p.dim not in places:
+                return True
+            if q is not None and q.is_shard():
+                o = places[p.dim]
+                vd = o - (len(view) - value.dim())
+                if q.dim != vd or value.shape[vd] != view[o]:
+                    return True
+    return False
+
+
+def view_places(index, shape) -> dict:
+    """{dim of x passing whole: its dim in ``x[index]``} for indices with at most one index
+    list (which then stays in its place) and no None, as SET_CASES has."""
+    items = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + (slice(None),) * (len(shape) - len(items) + 1) + items[k + 1:]
+    items += (slice(None),) * (len(shape) - len(items))
+    places, pos = {}, 0
+    for d, item in enumerate(items):
+        if isinstance(item, int):
+            continue
+        if isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1):
+            places[d] = pos
+        pos += 1
+    return places
 
 
 def test_setitem_partial(mesh1):
@@ -220,8 +273,11 @@ def test_setitem_partial(mesh1):
     x[:, 1] = dv
     t[:, 1] = v
     assert_close(x, t)
-    with pytest.raises(ValueError, match="redistribute"):
-        x[:, 1] = 2.0  # each device would write 2: the sum would be 6
+
+    def write(value):
+        x[:, 1] = value
+
+    assert_refused(write, 2.0, op="setitem")  # each device would write 2: the sum would be 6
 
 
 def test_setitem_mask_and_dtype(mesh1):
@@ -242,19 +298,24 @@ def _index(shape, high, seed=3):
 
 
 FUNCTIONS = {
-    # name: (fn(lib, input, index, src), input shape, index shape or (dim, high), src shape)
+    # name: (fn(lib, input, index, src), input shape, index shape or (dim, high), src shape);
+    # the digit or the op says the dim indexed along (index_put: dim 0)
     "index_select0": (lambda L, a, i, s: L.index_select(a, 0, i), (5, 7), ((4,), 5), None),
     "index_select1": (lambda L, a, i, s: L.index_select(a, 1, i), (5, 7), ((3,), 7), None),
     "gather0": (lambda L, a, i, s: L.gather(a, 0, i), (5, 7), ((3, 7), 5), None),
     "gather1": (lambda L, a, i, s: a.gather(1, i), (5, 7), ((5, 2), 7), None),
     "scatter0": (lambda L, a, i, s: L.scatter(a, 0, i, s), (5, 7), ((2, 7), 5), (2, 7)),
-    "scatter_value": (lambda L, a, i, s: L.scatter(a, 1, i, 2.5), (5, 7), ((5, 3), 7), None),
+    "scatter_value1": (lambda L, a, i, s: L.scatter(a, 1, i, 2.5), (5, 7), ((5, 3), 7), None),
     "scatter_add1": (lambda L, a, i, s: a.scatter_add(1, i, s), (5, 7), ((5, 9), 7), (5, 9)),
     "index_add0": (lambda L, a, i, s: L.index_add(a, 0, i, s, alpha=2), (5, 7), ((6,), 5),
                    (6, 7)),
     "index_add1": (lambda L, a, i, s: a.index_add(1, i, s), (5, 7), ((3,), 7), (5, 3)),
     "index_put": (lambda L, a, i, s: L.index_put(a, (i,), s, True), (5, 7), ((4,), 5), (4, 7)),
 }
+# docs/ops.md: the indexed dim must be Replicate (index_put: every dim); a Partial input passes
+# selection (with a Replicate index) and the linear writes (a Partial source), nothing else
+PARTIAL_PASSES = {"index_select0", "index_select1", "gather0", "gather1", "scatter_add1",
+                  "index_add0", "index_add1", "index_put"}
 ONE_D = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S1,)), ("mesh1", (R,)), ("mesh1", (P,)),
          ("mesh2", (S1, S0)), ("mesh3", (S0, S1, S0))]
 
@@ -266,9 +327,8 @@ def test_indexing_functions(name, lay, dtype, request):
     """Every operand in the same placements (shards past the end of an operand's dims
     mean Replicate for it), then all-Replicate operands after a refusal."""
     fn, shape, (ishape, high), sshape = FUNCTIONS[name]
+    dim = 0 if name == "index_put" else int(name[-1])
     mesh, exact = request.getfixturevalue(lay[0]), lay[0] == "one"
-    if dtype == torch.int64 and P in lay[1]:
-        pytest.skip("integer partials are covered by float")
     t, i = sample(shape, dtype), _index(ishape, high)
     s = sample(sshape, dtype, seed=1) if sshape else None
 
@@ -277,9 +337,15 @@ def test_indexing_functions(name, lay, dtype, request):
                 else R for p in lay[1]]
 
     ops = [distribute(t, mesh, place(t)), distribute(i, mesh, place(i, False)),
-           distribute(s, mesh, place(s)) if s is not None else None]
-    if not check(lambda a, b, c: fn(dtorch if isinstance(a, dtorch.Tensor) else torch, a, b, c),
-                 ops, [t, i, s], exact):
+           distribute(s, mesh, place(s), seed=1) if s is not None else None]
+    one_d_index = name.startswith(("index_select", "index_add", "index_put"))
+    refused = (any(p.is_shard(dim) for p in lay[1])
+               or P in lay[1] and name not in PARTIAL_PASSES
+               # a 1-D index shards along dim: only over a Replicate input (none here)
+               or one_d_index and any(p.is_shard(0) for p in lay[1])
+               or name == "index_put" and any(p.is_shard() for p in lay[1]))
+    if not check_like_torch(lambda a, b, c: fn(lib(a), a, b, c), ops, [t, i, s], exact,
+                            refused=refused):
         rep = [o.redistribute(placements=[R] * mesh.ndim) if o is not None else None
                for o in ops]
         assert_close(fn(dtorch, *rep), fn(torch, t, i, s), exact)
@@ -298,12 +364,12 @@ def test_indexing_function_errors(mesh1):
 
 # -- sorting --------------------------------------------------------------------------------------
 
-SORTS = {
-    "topk": lambda v: v.topk(3, dim=1),
-    "topk-small-last": lambda v: v.topk(2, largest=False),
-    "sort": lambda v: v.sort(dim=0, descending=True, stable=True),
-    "sort-last": lambda v: v.sort(),
-    "argsort": lambda v: v.argsort(dim=1, stable=True),
+SORTS = {  # name: (fn, the dim sorted along): refused where that dim is sharded, or Partial
+    "topk": (lambda v: v.topk(3, dim=1), 1),
+    "topk-small-last": (lambda v: v.topk(2, largest=False), 2),
+    "sort": (lambda v: v.sort(dim=0, descending=True, stable=True), 0),
+    "sort-last": (lambda v: v.sort(), 2),
+    "argsort": (lambda v: v.argsort(dim=1, stable=True), 1),
 }
 
 
@@ -311,12 +377,16 @@ SORTS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
 def test_sorting(name, dtype, layout):
     mesh, placements, exact = layout
+    fn, dim = SORTS[name]
     t = sample((6, 5, 7), dtype)
     x = distribute(t, mesh, placements)
-    if not check(SORTS[name], [x], [t], exact):
-        assert any(not p.is_replicate() for p in placements)
-    if name.startswith(("topk", "sort")) and check(SORTS[name], [x], [t], exact):
-        assert SORTS[name](x).values.shape == SORTS[name](t).values.shape
+    refused = any(p.is_partial() or p.is_shard(dim) for p in placements)
+    if not check_like_torch(fn, [x], [t], exact, refused=refused, op=name.split("-")[0]):
+        # the fix the error names: the sorted dim whole (and Partials reduced)
+        whole = [R if p.is_partial() or p.is_shard(dim) else p for p in placements]
+        out = fn(x.redistribute(placements=whole))
+        assert_close(out, fn(t), exact)
+        assert all(o.placements == whole for o in (out if isinstance(out, tuple) else [out]))
 
 
 # -- value-dependent ------------------------------------------------------------------------------

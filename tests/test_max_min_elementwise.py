@@ -6,7 +6,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from helpers import assert_close, distribute
+from helpers import assert_close, assert_refused, distribute
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -34,11 +34,15 @@ def test_elementwise_forms(name, placements, mesh1):
 
 
 def test_partial_max_and_reductions_stay(mesh1):
-    a, b = sample(5, 4).abs(), sample(5, 4, seed=1)
-    x = distribute(a, mesh1, [Partial("max")])
-    got = dtorch.max(x, distribute(b, mesh1, [R]))
-    assert got.placements == [Partial("max")]
-    assert_close(got, torch.max(a, b))
+    """max(x, y) passes a Partial(max) (min a Partial(min)); the other Partials are refused."""
+    a, b = sample(5, 4), sample(5, 4, seed=1)
+    for name, passes in (("max", Partial("max")), ("min", Partial("min"))):
+        fn = getattr(dtorch, name)
+        got = fn(distribute(a, mesh1, [passes]), distribute(b, mesh1, [R]))
+        assert got.placements == [passes]
+        assert_close(got, getattr(torch, name)(a, b))
+        for other in (Partial(), Partial("avg"), Partial("min" if name == "max" else "max")):
+            assert_refused(fn, distribute(a, mesh1, [other]), distribute(b, mesh1, [R]))
     y = distribute(a, mesh1, [S0])
     assert_close(dtorch.max(y), a.max())
     values, indices = dtorch.min(y, 1)

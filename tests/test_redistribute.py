@@ -66,6 +66,17 @@ def test_2d(mesh2, shape, src, targets):
     check_all(distribute(t, mesh2, src), t, targets)
 
 
+PERMUTED = DeviceMesh("cpu", [[3, 1], [0, 2]])  # devices out of order along both mesh dims
+MESH_2X3 = DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]])  # uneven: 5 rows over 3, 7 over 2
+
+
+@pytest.mark.parametrize("mesh", [PERMUTED, MESH_2X3], ids=["permuted", "2x3"])
+@pytest.mark.parametrize("src,targets", TWO_D, ids=lambda v: "".join(map(str, v)))
+def test_2d_permuted_and_2x3(mesh, src, targets):
+    t = rand(5, 7, seed=15)
+    check_all(distribute(t, mesh, src), t, targets)
+
+
 THREE_D = [
     ([S0, S1, S2], [[R, R, R], [S2, S1, S0], [S0, S0, S0], [P, S1, P]]),
     ([S0, S0, S0], [[R, R, R], [S0, S0, R], [R, S0, S0], [S1, S1, S1], [S2, S0, S1]]),
@@ -129,11 +140,13 @@ def test_genuine_partial_sum(mesh1, mesh2, src, targets):
     check_all(y, expected, targets)
 
 
-def test_genuine_partial_sum_plus_replicated_zero_elsewhere(mesh2):
-    """A genuine Partial plus a from_torch Partial (value on coordinate 0): still the sum."""
+def test_genuine_partial_sum_plus_factory_partial(mesh2):
+    """A product's Partial plus distribute's and from_torch's (the value on coordinate 0, zeros
+    elsewhere): still the sum."""
     y, expected = partial_product(mesh2, [P, P])
-    extra = rand(5, 6, seed=9)
-    check_all(y + distribute(extra, mesh2, [P, P]), expected + extra, [[R, R], [S1, S0]])
+    extra, more = rand(5, 6, seed=9), rand(5, 6, seed=10)
+    z = y + distribute(extra, mesh2, [P, P]) + dtorch.from_torch(more, mesh2, [P, P])
+    check_all(z, expected + extra + more, [[R, R], [S1, S0]])
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
@@ -220,6 +233,12 @@ def test_empty_tensor_between_meshes():
     check_all(x, t, [[S1], [P]], mesh=MESH_FLAT4)
 
 
+@pytest.mark.parametrize("mesh", [PERMUTED, MESH_2X3], ids=["permuted", "2x3"])
+def test_genuine_partial_on_permuted_and_2x3(mesh):
+    y, expected = partial_product(mesh, [P, S1])
+    check_all(y, expected, [[R, R], [S0, S1], [S1, P]])
+
+
 def test_genuine_partial_between_meshes():
     y, expected = partial_product(MESH_PAIR, [P])
     check_all(y, expected, [[P], [R], [S1]], mesh=MESH_SWAPPED)
@@ -281,11 +300,12 @@ def cases(draw):
 
 
 def genuine(mesh, src, t_shape, seed):
-    """A genuine Partial product where the layout allows one (2-D, sum only), else from_torch."""
+    """A Partial product's sums where the layout allows one (2-D, sum only), else
+    ``distribute``'s genuine contributions."""
     if len(t_shape) == 2 and all(p in MATMUL_OPERANDS for p in src):
         return partial_product(mesh, src, n=t_shape[0], m=t_shape[1], seed=seed)
     t = rand(*t_shape, seed=seed)
-    return distribute(t, mesh, src), t
+    return distribute(t, mesh, src, seed=seed), t
 
 
 @fixture_settings(40)

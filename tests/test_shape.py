@@ -20,16 +20,18 @@ from dtorch import Partial, Replicate, Shard
 from helpers import (
     TORCH_RAISED,
     assert_close,
+    assert_refused,
     distribute,
     layout_fixture,
     lib,
+    reshape_refused,
     sample,
     torch_expected,
 )
 
 R, S0, S1, S2, S3, P = Replicate(), Shard(0), Shard(1), Shard(2), Shard(3), Partial()
 ALL = "all"  # a case that acts on every dim
-EITHER = "either"  # a reshape: whether a shard survives depends on the sizes (see hypothesis)
+RESHAPE = "reshape"  # a reshape: whether a shard survives depends on the sizes (reshape_refused)
 
 # (mesh fixture, placements) for 3-D inputs: uneven shards, nested shards, Partials
 LAYOUTS = [
@@ -46,10 +48,10 @@ def fn_lib(x):
 
 # name: (input shape, fn, input dims acted on, refuses a Partial sum)
 CASES = {
-    "view-1": ((4, 6, 5), lambda x: x.view(4, -1), EITHER, False),
-    "reshape-split": ((6, 4, 5), lambda x: x.reshape(6, 2, 2, 5), EITHER, False),
-    "flatten": ((5, 7, 3), lambda x: x.flatten(1), EITHER, False),
-    "unflatten": ((5, 6, 3), lambda x: x.unflatten(1, (2, 3)), EITHER, False),
+    "view-1": ((4, 6, 5), lambda x: x.view(4, -1), RESHAPE, False),
+    "reshape-split": ((6, 4, 5), lambda x: x.reshape(6, 2, 2, 5), RESHAPE, False),
+    "flatten": ((5, 7, 3), lambda x: x.flatten(1), RESHAPE, False),
+    "unflatten": ((5, 6, 3), lambda x: x.unflatten(1, (2, 3)), RESHAPE, False),
     "unflatten-1": ((5, 7, 3), lambda x: x.unflatten(2, (-1, 1)), (), False),
     "squeeze": ((5, 1, 3), lambda x: x.squeeze(1), (1,), False),
     "unsqueeze": ((5, 7, 3), lambda x: x.unsqueeze(-1), (), False),
@@ -107,25 +109,31 @@ def suggested_fix(error: ValueError) -> list:
     return eval(m.group(2), {"Shard": Shard, "Replicate": Replicate, "Partial": Partial})
 
 
-def check_case(name, x, t, placements, exact) -> None:
-    """Torch's values, or (where a shard meets a dim the op acts on) a ValueError whose fix
-    gives them (the input laid out as the fix says)."""
+def refused_by(name, placements, mesh) -> bool:
+    """CASES' declaration for a layout: a shard of a dim the op acts on (a reshape: see merge
+    and split), or a Partial sum where the op adds a constant."""
     shape, fn, acted, refuses_sum = CASES[name]
+    if refuses_sum and P in placements:
+        return True
+    if acted == RESHAPE:
+        return reshape_refused(shape, fn(torch.empty(shape, device="meta")).shape, placements,
+                               mesh)
     acted = range(len(shape)) if acted == ALL else acted
-    refused = acted != EITHER and any(p.is_shard() and p.dim in acted for p in placements) or (
-        refuses_sum and P in placements)
+    return any(p.is_shard() and p.dim in acted for p in placements)
+
+
+def check_case(name, x, t, placements, exact) -> None:
+    """Torch's values, or (where CASES says a layout is refused) a ValueError whose fix gives
+    them (the input laid out as the fix says)."""
+    fn = CASES[name][1]
     expected = torch_expected(fn, [t], [x])
     if expected is TORCH_RAISED:
         return
-    if refused:
-        with pytest.raises(ValueError, match=r"redistribute"):
+    if refused_by(name, placements, x.device_mesh):
+        with pytest.raises(ValueError, match=r"redistribute\(") as info:
             fn(x)
-    try:
-        out = fn(x)
-    except ValueError as e:
-        assert refused or acted == EITHER, e
-        out = fn(distribute(t, x.device_mesh, suggested_fix(e)))
-    assert_close(out, expected, exact)
+        x = distribute(t, x.device_mesh, suggested_fix(info.value))
+    assert_close(fn(x), expected, exact)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -207,6 +215,47 @@ def test_views_see_inplace_writes(mesh1):
     assert_close(v, (t + 1).unflatten(1, (7, 1)))
 
 
+def _set_column(v):
+    v[:, 0] = 3.0
+
+
+# name: (an in-place write through a view of x (6, 5), the dims of x the view cuts (refused
+# where sharded), whether a Partial sum refuses it: a number added or written is not linear)
+VIEW_WRITES = {
+    "slice mul_": (lambda x: x[:, 1:3].mul_(2), {1}, False),
+    "t add_": (lambda x: x.t().add_(1), set(), True),
+    "view sub_": (lambda x: x.view(6, 5).sub_(0.5), set(), True),
+    "unsqueeze mul_": (lambda x: x.unsqueeze(0).mul_(3), set(), False),
+    "select setitem": (lambda x: _set_column(x.t()), {0}, True),
+    "narrow mul_": (lambda x: x.narrow(1, 1, 2).mul_(0), {1}, False),
+    "transpose relu_": (lambda x: x.transpose(0, 1).relu_(), set(), True),
+    "split neg_": (lambda x: x.split(4, 0)[1].neg_(), {0}, False),
+}
+VIEW_LAYOUTS = [("mesh1", [S0]), ("mesh1", [P]), ("permuted", [S0, S1]), ("2x3", [S1, S0]),
+                ("2x3", [P, S1]), ("mesh2", [R, S0])]
+MESHES = {"permuted": dtorch.DeviceMesh("cpu", [[3, 1], [0, 2]]),
+          "2x3": dtorch.DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]])}
+
+
+@pytest.mark.parametrize("where", VIEW_LAYOUTS, ids=lambda w: f"{w[0]}-{''.join(map(str, w[1]))}")
+@pytest.mark.parametrize("name", VIEW_WRITES)
+def test_inplace_writes_through_views_of_sharded_tensors(name, where, request):
+    """A view shares its base's blocks: writing it in place writes the base, as in torch."""
+    write, cut, refuses_sum = VIEW_WRITES[name]
+    mesh = MESHES.get(where[0]) or request.getfixturevalue(where[0])
+    placements = where[1]
+    t = sample((6, 5))
+    x = distribute(t, mesh, placements)
+    if any(p.is_shard() and p.dim in cut for p in placements) or refuses_sum and P in placements:
+        assert_refused(write, x)
+        assert_close(x, t)  # nothing was written
+        return
+    write(x)
+    write(t)
+    assert x.placements == placements
+    assert_close(x, t)
+
+
 def test_empty_results(mesh1):
     x = distribute(torch.zeros(0, 3), mesh1, [S1])
     assert x.unbind(0) == ()
@@ -245,12 +294,11 @@ def test_reshape_keeps_a_valid_sharding_or_raises(data, mesh1, mesh2):
     t = torch.arange(n, dtype=torch.float32).reshape(shape)
     x = distribute(t, mesh, placements)
     fn = (lambda v: v.flatten()) if op == "flatten" else (lambda v: getattr(v, op)(target))
-    try:
-        out = fn(x)
-    except ValueError as e:
-        assert "redistribute" in str(e)
-        out = fn(distribute(t, mesh, suggested_fix(e)))
-    assert_close(out, fn(t))
+    if reshape_refused(shape, fn(t).shape, placements, mesh):
+        with pytest.raises(ValueError, match=r"redistribute\(") as info:
+            fn(x)
+        x = distribute(t, mesh, suggested_fix(info.value))  # the fix it names works
+    assert_close(fn(x), fn(t))
 
 
 # -- chunk: a registry entry with torch's piece sizes ---------------------------------------------

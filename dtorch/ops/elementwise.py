@@ -25,6 +25,7 @@ from .rules import (
     ALL_PARTIALS,
     LINEAR_PARTIALS,
     R,
+    exact_cast,
     expand,
     pointwise,
     pointwise_rows,
@@ -242,15 +243,17 @@ register(OpDef("where_method", "where_method(input: Tensor, condition: Tensor, o
                function=False))
 
 # -- casts ----------------------------------------------------------------------------------------
-# A cast from a number to a floating dtype commutes with a sum up to rounding, so a Partial may
-# pass; a cast to an integer or bool type does not (truncation), nor one from bool (a bool sum
-# saturates: True + True is True).
+# A Partial sum passes a cast only where every contribution converts exactly (``exact_cast``:
+# float16 -> float32, float32 -> float64, int16 -> float32, ...): a narrowing cast would round each
+# contribution before the sum (float32 -> bfloat16 then misses torch's value by percents where
+# they cancel); a cast to an integer or bool type truncates; a bool sum saturates.
 CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
          "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
 
 
 def _cast_rule(call):
-    linear = (0,) if call.outs[0][1].is_floating_point and call.tensors[0].dtype != "bool" else ()
+    src, dst = getattr(torch, call.tensors[0].dtype), call.outs[0][1]
+    linear = (0,) if exact_cast(src, dst) and (dst.is_floating_point or dst.is_complex) else ()
     return expand(call, pointwise_rows(call, linear=linear))
 
 

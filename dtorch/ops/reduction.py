@@ -18,7 +18,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from .registry import OpDef, register
-from .rules import Placed, placement_error
+from .rules import Placed, exact_cast, placement_error
 
 LINEAR = ("sum", "avg")  # f(sum_i x_i) = sum_i f(x_i), and so for their average
 INF = math.inf
@@ -71,10 +71,13 @@ def reduced_dims(dim, ndim: int) -> tuple:
 
 
 def linear_cast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether converting each contribution of a Partial sum converts the sum: not from bool (a
-    bool sum saturates) nor from floating to integer (truncation)."""
-    return src != torch.bool and (dst.is_floating_point or dst.is_complex
-                                  or not src.is_floating_point)
+    """Whether converting each contribution of a Partial sum converts the sum: integers into a
+    wider integer, or a cast that converts every value exactly (``rules.exact_cast``); not from
+    bool (a bool sum saturates), from floating to integer (truncation), nor narrowing floats
+    (each contribution would be rounded before the sum)."""
+    if dst.is_floating_point or dst.is_complex:
+        return exact_cast(src, dst)
+    return src != torch.bool and not (src.is_floating_point or src.is_complex)
 
 
 def partials_of(call, spec) -> tuple:

@@ -11,7 +11,10 @@ no communication), and reductions ask for their Partial outputs to be reduced (`
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
+
+import torch
 
 from ..placement import REDUCE_OPS, Partial, Replicate, Shard, placements_str
 
@@ -20,6 +23,31 @@ LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))  # f(sum x_i) = sum f(x_i) ho
 # copies and movements (clone, views, permutations, cat) never combine elements, so they commute
 # with every elementwise reduction, max and min included
 ALL_PARTIALS = tuple(Partial(op) for op in REDUCE_OPS)
+
+
+def exact_cast(src, dst) -> bool:
+    """Whether every value of torch dtype ``src`` converts to floating (or complex) ``dst``
+    exactly, so that a Partial sum may pass the cast: converting each contribution and adding
+    in ``dst`` is then converting the sum (up to the rounding of one sum, which ``dst`` holds at
+    least as well). A narrowing cast (float32 to bfloat16, int64 to float32) would round every
+    contribution before the sum; where they cancel, that is far from the rounded sum. Nor from
+    bool: a bool sum saturates (True + True is True)."""
+    if src == dst:
+        return True
+    if src == torch.bool or not (dst.is_floating_point or dst.is_complex) or (
+            src.is_complex and not dst.is_complex):
+        return False
+    out = torch.finfo(dst)
+    if src.is_floating_point or src.is_complex:
+        inp = torch.finfo(src)
+        return inp.eps >= out.eps and inp.max <= out.max and inp.tiny >= out.tiny
+    info = torch.iinfo(src)
+    return info.bits - (info.min < 0) <= _precision(out)
+
+
+def _precision(info) -> int:
+    """Significand bits of a float type, the implicit one included (bfloat16: 8)."""
+    return round(-math.log2(info.eps)) + 1
 
 
 class Call(NamedTuple):

@@ -3,6 +3,11 @@
 Each takes ``(ctx, block, mesh_dim)``. Collectives go through torch.distributed process groups
 (gloo on CPU, NCCL on CUDA); uneven shards are padded to the largest chunk for the collective
 and cut back after, since collectives need equal sizes on every rank.
+
+Two dtypes travel in another form (``_wire``, ``_widen``): gloo has no complex types, so a complex
+buffer goes as its real view (``view_as_real``: the same memory, a trailing dim of 2); and a
+low-precision sum (bfloat16, float16) is reduced in float32 and rounded once, as torch's own
+reductions accumulate, instead of rounding at every hop of the collective.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from ..placement import chunk_range, chunk_sizes
 from ..spec import device_at
 
 REDUCE = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The buffer a collective sends: a complex tensor as its real view (same memory)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _widen(op: str, t: torch.Tensor) -> torch.Tensor:
+    """What a reduction adds up: a low-precision sum in float32 (rounded once, after). Max and
+    min pick an element, which no precision changes."""
+    return t.float() if op in ("sum", "avg") and t.dtype in LOW_PRECISION else t
 
 
 def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -43,10 +60,10 @@ def all_gather(ctx, x, mesh_dim):
         # even chunks of the outermost dim are contiguous slices of the result: gather into
         # them directly, saving a full copy
         out = x.new_empty(ctx.out_local_shape)
-        pg.allgather([list(out.split(sizes[0], d))], [padded]).wait()
+        pg.allgather([[_wire(o) for o in out.split(sizes[0], d)]], [_wire(padded)]).wait()
         return out
     outs = [torch.empty_like(padded) for _ in sizes]
-    pg.allgather([outs], [padded]).wait()
+    pg.allgather([[_wire(o) for o in outs]], [_wire(padded)]).wait()
     return torch.cat([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d)
 
 
@@ -54,7 +71,8 @@ def all_reduce(ctx, x, mesh_dim):
     """P -> R over one mesh dim."""
     op = ctx.in_specs[0].placements[mesh_dim].reduce_op
     pg, _ = ctx.group(mesh_dim)
-    out = x.clone(memory_format=torch.contiguous_format)
+    out = _widen(op, x)
+    out = out.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()
     opts = AllreduceOptions()
     opts.reduceOp = REDUCE[op]
     nans = _nan_mask(op, out)
@@ -62,9 +80,21 @@ def all_reduce(ctx, x, mesh_dim):
         nan_opts = AllreduceOptions()
         nan_opts.reduceOp = ReduceOp.MAX
         pg.allreduce([nans], nan_opts).wait()
-    pg.allreduce([out], opts).wait()
+    pg.allreduce([_wire(out)], opts).wait()
     _restore_nans(out, nans)
-    return out.div_(pg.size()) if op == "avg" else out
+    if op == "avg":
+        _divide(out, pg.size())
+    return out.to(x.dtype)
+
+
+def _divide(t: torch.Tensor, n: int) -> None:
+    """An average's sum over the group size, in place (gloo has no average). Integers divide
+    exactly when their contributions are copies of one value (a factory's): floor division
+    keeps the dtype, where true division would need a float result."""
+    if t.is_floating_point() or t.is_complex():
+        t.div_(n)
+    else:
+        t.div_(n, rounding_mode="floor")
 
 
 def _nan_mask(op: str, t: torch.Tensor):
@@ -86,7 +116,7 @@ def reduce_scatter(ctx, x, mesh_dim):
     d = ctx.out_specs[0].placements[mesh_dim].dim
     pg, rank = ctx.group(mesh_dim)
     sizes = chunk_sizes(x.shape[d], pg.size())
-    chunks = [_pad(c, d, sizes[0]) for c in torch.split(x, sizes, d)]
+    chunks = [_pad(c, d, sizes[0]) for c in torch.split(_widen(op, x), sizes, d)]
     out = torch.empty_like(chunks[0])
     opts = ReduceScatterOptions()
     opts.reduceOp = REDUCE[op]
@@ -96,11 +126,13 @@ def reduce_scatter(ctx, x, mesh_dim):
         nan_opts = ReduceScatterOptions()
         nan_opts.reduceOp = ReduceOp.MAX
         pg.reduce_scatter([nans], [nan_chunks], nan_opts).wait()
-    pg.reduce_scatter([out], [chunks], opts).wait()
+    pg.reduce_scatter([_wire(out)], [[_wire(c) for c in chunks]], opts).wait()
     if nan_chunks[0] is not None:
         _restore_nans(out, nans)
     out = out.narrow(d, 0, sizes[rank]).contiguous()
-    return out.div_(pg.size()) if op == "avg" else out  # gloo has no average: sum, then divide
+    if op == "avg":
+        _divide(out, pg.size())
+    return out.to(x.dtype)
 
 
 def all_to_all(ctx, x, mesh_dim):
@@ -115,7 +147,7 @@ def all_to_all(ctx, x, mesh_dim):
     send = torch.stack([_pad(_pad(c, d, d_sizes[0]), e, e_sizes[0])
                         for c in torch.split(x, e_sizes, e)])
     recv = torch.empty_like(send)
-    pg.alltoall_base(recv, send, [], [], AllToAllOptions()).wait()
+    pg.alltoall_base(_wire(recv), _wire(send), [], [], AllToAllOptions()).wait()
     return torch.cat([recv[j].narrow(d, 0, d_sizes[j]).narrow(e, 0, e_sizes[rank])
                       for j in range(n)], d)
 
@@ -184,7 +216,7 @@ def move(ctx, x, mesh_dim):
                               device=ctx.device.torch_device)
         opts = BroadcastOptions()
         opts.rootRank = members.index(root)
-        ctx.device.group(members).broadcast([buf], opts).wait()
+        ctx.device.group(members).broadcast([_wire(buf)], opts).wait()
         if me in receivers:
             out = buf.clone() if me == root else buf
     return () if out is None else out  # a device only of the source mesh keeps no block
