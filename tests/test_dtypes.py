@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard
 from helpers import assert_close, assert_refused, distribute, sample
 
@@ -157,3 +158,16 @@ def test_complex_arithmetic(dtype, mesh1):
                lambda v: v.mean(dim=1)):
         assert fn(p).placements == [P]
         assert_close(fn(p), fn(a))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_reading_a_low_precision_partial_rounds_once(dtype):
+    """The client joins the blocks of a Partial value it reads the way the collectives
+    reduce them: in float32, rounded once. Contributions big, 1, 1 (big a power of two where
+    the dtype's spacing is 2) add up to big + 2; added one by one in the low dtype, each + 1
+    rounds back to big."""
+    big = 256.0 if dtype is torch.bfloat16 else 2048.0
+    parts = torch.tensor([big, 1.0, 1.0], dtype=dtype)
+    one_each = dtorch.from_torch(parts, device_mesh=MESH_1D, placements=[S0])
+    partial = dtorch.local_map(torch.sum, [Partial()])(one_each)
+    assert partial.to_torch().item() == big + 2

@@ -21,14 +21,20 @@ def piece_count(spec) -> int:
     return n
 
 
+# Sums of these are taken in float32 and rounded once, as torch and the collectives do.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def _reduce(op: str, blocks):
-    if op == "sum":
-        out = blocks[0].clone()
+    if op in ("sum", "avg"):
+        dtype = blocks[0].dtype
+        out = blocks[0].to(torch.float32 if dtype in LOW_PRECISION else dtype, copy=True)
         for b in blocks[1:]:
             out += b
-        return out
-    if op == "avg":
-        return _reduce("sum", blocks) / len(blocks)
+        if op == "avg":  # integers divide as the collectives do: by floor
+            exact = out.is_floating_point() or out.is_complex()
+            out = out / len(blocks) if exact else out.div(len(blocks), rounding_mode="floor")
+        return out.to(dtype)
     fn = torch.maximum if op == "max" else torch.minimum
     out = blocks[0]
     for b in blocks[1:]:
