@@ -86,8 +86,8 @@ mesh = dtorch.init_device_mesh("cpu", (2,))
 x = dtorch.ones((2, 2), device_mesh=mesh, placements=[Shard(0)])
 assert x.sum().item() == 4.0
 slow = dtorch.local_map(busy, [Shard(0)])(x, 5.0)
-print("WAITING", flush=True)
 try:
+    print("WAITING", flush=True)  # inside: the interrupt may come at once
     slow.to_torch()
     interrupted = False
 except KeyboardInterrupt:
