@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .client.dispatch import call_op
+from .client.dispatch import call_op, check_tensor
 from .mesh import DeviceMesh
 from .ops.conversion import source_placements
+from .ops.creation import PY_DTYPES, check_dtype
 from .tensor import Tensor
 
 
@@ -58,7 +59,7 @@ def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_bloc
     """
     flags = []
     for a in args:
-        if isinstance(a, torch.dtype):
+        if isinstance(a, torch.dtype) or isinstance(a, type) and a in PY_DTYPES:
             dtype = a
         elif isinstance(a, DeviceMesh):
             device_mesh = a
@@ -72,6 +73,10 @@ def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_bloc
             raise TypeError(f"to() received an invalid combination of arguments: {a!r}")
     if flags:  # torch's positional (non_blocking, copy)
         non_blocking, copy = (flags + [copy])[:2]
+    check_dtype("to", dtype)  # (a Python type is one: the call sends the dtype torch reads)
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"to(): argument 'device_mesh' must be a dtorch.DeviceMesh, not "
+                        f"{type(device_mesh).__name__}")
     if device is not None:
         _check_device(input, device)
     out = input
@@ -84,27 +89,23 @@ def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_bloc
 
 def type_as(input: Tensor, other: Tensor) -> Tensor:
     """``input`` cast to ``other``'s dtype (its mesh stays: see ``to(other)`` for both)."""
+    check_tensor("type_as", other)
     return to(input, other.dtype)
 
 
 def copy_(input: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
     """Copies ``src`` (broadcast and cast as torch does) into ``input``, which keeps its layout.
     ``src`` is redistributed to ``input``'s layout first, from any placements or mesh."""
-    _tensor_arg("copy_", src, "src")
+    check_tensor("copy_", src, "src")
     if src.device_mesh != input.device_mesh:
         src = src.redistribute(input.device_mesh, source_placements(input._spec, src._spec))
     return call_op("copy_", (input, src), (non_blocking,))
 
 
-def _tensor_arg(name: str, value, param: str = "other") -> None:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name}(): argument '{param}' must be Tensor, not {type(value).__name__}")
-
-
 def equal(input: Tensor, other: Tensor) -> bool:
     """True when both have the same shape and elements, as ``torch.equal``. It reads the
     answer, so it waits for the tensors' values (a sync point)."""
-    _tensor_arg("equal", other)
+    check_tensor("equal", other)
     if tuple(input.shape) != tuple(other.shape):
         return False
     return bool(call_op("equal", (input, other), ()).item())
@@ -112,7 +113,7 @@ def equal(input: Tensor, other: Tensor) -> bool:
 
 def allclose(input: Tensor, other: Tensor, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     """``torch.allclose`` (``other`` broadcasts). It reads the answer: a sync point."""
-    _tensor_arg("allclose", other)
+    check_tensor("allclose", other)
     return bool(call_op("allclose", (input, other), (rtol, atol, equal_nan)).item())
 
 

@@ -15,8 +15,9 @@ import random
 
 import torch
 
-from .client.dispatch import call_op
-from .ops.creation import size_arg
+from .client.dispatch import call_op, check_layout, check_tensor
+from .ops.creation import check_dtype, check_size
+from .placement import as_int
 
 _seeds = random.Random(0)
 
@@ -26,28 +27,24 @@ def manual_seed(seed: int) -> None:
     _seeds.seed(seed)
 
 
-def _seed(generator, draw, size, dtype, **kw):
+def _seed(name, generator, draw, size, dtype, **kw):
     """The seed operand: a fresh 63-bit seed, or the user's generator state, which is advanced
-    here exactly as torch would (by drawing the same tensor), so later draws match torch too."""
+    here exactly as torch would (by drawing the same tensor), so later draws match torch too.
+    (Fronts check the layout first: a call that fails must leave the generator as it was.)"""
     if generator is None:
         return _seeds.getrandbits(63)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name}(): argument 'generator' must be torch.Generator, not "
+                        f"{type(generator).__name__}")
     state = bytes(generator.get_state().numpy())
     draw(size, generator=generator, dtype=dtype, **kw)
     return state
 
 
-def _size(sizes, size) -> tuple:
-    """The size given spread out, as one sequence, or as ``size=`` (as torch, not both)."""
-    if size is not None:
-        if sizes:
-            raise TypeError("got multiple values for argument 'size'")
-        sizes = (size,)
-    return size_arg(sizes)
-
-
 def _constant(name: str):
     def factory(*sizes, size=None, dtype=None, device_mesh=None, placements=None):
-        return call_op(name, (), (_size(sizes, size), dtype, device_mesh, placements))
+        shape = check_size(name, sizes, size, dtype)
+        return call_op(name, (), (shape, dtype, device_mesh, placements))
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"``torch.{name}``: each device makes its block; ``size=`` works too."
@@ -59,16 +56,18 @@ zeros, ones, empty = _constant("zeros"), _constant("ones"), _constant("empty")
 
 def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None):
     """Uniform [0, 1) values, as ``torch.rand``; equal to torch's for the same generator."""
-    size = size_arg(size)
-    return call_op("rand", (_seed(generator, torch.rand, size, dtype),),
-                   (size, dtype, device_mesh, placements))
+    size = check_size("rand", size, dtype=dtype)
+    check_layout("rand", device_mesh, placements, len(size))
+    seed = _seed("rand", generator, torch.rand, size, dtype)
+    return call_op("rand", (seed,), (size, dtype, device_mesh, placements))
 
 
 def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None):
     """Standard normal values, as ``torch.randn``; equal to torch's for the same generator."""
-    size = size_arg(size)
-    return call_op("randn", (_seed(generator, torch.randn, size, dtype),),
-                   (size, dtype, device_mesh, placements))
+    size = check_size("randn", size, dtype=dtype)
+    check_layout("randn", device_mesh, placements, len(size))
+    seed = _seed("randn", generator, torch.randn, size, dtype)
+    return call_op("randn", (seed,), (size, dtype, device_mesh, placements))
 
 
 def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, device_mesh=None,
@@ -79,16 +78,23 @@ def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, dev
         low, high, size = 0, low, high
     elif high is None:
         low, high = 0, low
-    size = size_arg((size,))
-    seed = _seed(generator, lambda sz, **kw: torch.randint(low, high, sz, **kw), size, dtype)
+    low = as_int(low, "randint(): argument 'low'")
+    high = as_int(high, "randint(): argument 'high'")
+    size = check_size("randint", (), size, dtype)
+    check_layout("randint", device_mesh, placements, len(size))
+    seed = _seed("randint", generator, lambda sz, **kw: torch.randint(low, high, sz, **kw), size,
+                 dtype)
     return call_op("randint", (seed,), (low, high, size, dtype, device_mesh, placements))
 
 
 def randperm(n, *, generator=None, dtype=torch.int64, device_mesh=None, placements=None):
     """A random permutation of ``range(n)``, as ``torch.randperm``; equal to torch's for the
     same generator."""
-    return call_op("randperm", (_seed(generator, torch.randperm, n, dtype),),
-                   (n, dtype, device_mesh, placements))
+    n = as_int(n, "randperm(): argument 'n' (position 1)")
+    check_dtype("randperm", dtype)
+    check_layout("randperm", device_mesh, placements, 1)
+    seed = _seed("randperm", generator, torch.randperm, n, dtype)
+    return call_op("randperm", (seed,), (n, dtype, device_mesh, placements))
 
 
 def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None):
@@ -120,7 +126,8 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None):
     return from_torch(torch.tensor(data, dtype=dtype), device_mesh, placements)
 
 
-def _like(input, dtype, device_mesh, placements):
+def _like(name, input, dtype, device_mesh, placements):
+    check_tensor(name, input, "input")
     spec = input._spec
     return (
         tuple(spec.shape),
@@ -131,29 +138,29 @@ def _like(input, dtype, device_mesh, placements):
 
 
 def zeros_like(input, *, dtype=None, device_mesh=None, placements=None):
-    return call_op("zeros", (), _like(input, dtype, device_mesh, placements))
+    return call_op("zeros", (), _like("zeros_like", input, dtype, device_mesh, placements))
 
 
 def ones_like(input, *, dtype=None, device_mesh=None, placements=None):
-    return call_op("ones", (), _like(input, dtype, device_mesh, placements))
+    return call_op("ones", (), _like("ones_like", input, dtype, device_mesh, placements))
 
 
 def empty_like(input, *, dtype=None, device_mesh=None, placements=None):
-    return call_op("empty", (), _like(input, dtype, device_mesh, placements))
+    return call_op("empty", (), _like("empty_like", input, dtype, device_mesh, placements))
 
 
 def full_like(input, fill_value, *, dtype=None, device_mesh=None, placements=None):
-    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    size, dtype, mesh, placements = _like("full_like", input, dtype, device_mesh, placements)
     return call_op("full", (), (size, fill_value, dtype, mesh, placements))
 
 
 def rand_like(input, *, generator=None, dtype=None, device_mesh=None, placements=None):
-    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    size, dtype, mesh, placements = _like("rand_like", input, dtype, device_mesh, placements)
     return rand(size, generator=generator, dtype=dtype, device_mesh=mesh, placements=placements)
 
 
 def randn_like(input, *, generator=None, dtype=None, device_mesh=None, placements=None):
-    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    size, dtype, mesh, placements = _like("randn_like", input, dtype, device_mesh, placements)
     return randn(size, generator=generator, dtype=dtype, device_mesh=mesh, placements=placements)
 
 
@@ -163,6 +170,6 @@ def randint_like(input, low=0, high=None, *, generator=None, dtype=None, device_
     input's dtype unless ``dtype=``)."""
     if high is None:
         low, high = 0, low
-    size, dtype, mesh, placements = _like(input, dtype, device_mesh, placements)
+    size, dtype, mesh, placements = _like("randint_like", input, dtype, device_mesh, placements)
     return randint(low, high, size, generator=generator, dtype=dtype, device_mesh=mesh,
                    placements=placements)

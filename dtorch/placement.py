@@ -13,10 +13,32 @@ because it is pure and shared by the client, the controller and the hosts.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
 REDUCE_OPS = ("sum", "max", "min", "avg")
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` may stand for an int: anything with ``__index__`` (NumPy ints, 0-dim
+    integer tensors), as for torch, but not a bool: ``True`` as a dim, size or device id is a
+    slip, and torch refuses it as a dim or a size."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
+def as_int(value, what: str) -> int:
+    """``value`` as a Python int (see ``is_int``), or torch's TypeError naming ``what``.
+
+    >>> as_int(3, "dim")
+    3
+    >>> as_int(True, "Shard(dim): dim")
+    Traceback (most recent call last):
+    TypeError: Shard(dim): dim must be int, not bool
+    """
+    if not is_int(value):
+        raise TypeError(f"{what} must be int, not {type(value).__name__}")
+    return operator.index(value)
 
 
 class Placement:
@@ -35,6 +57,11 @@ class Placement:
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
     dim: int
+
+    def __post_init__(self):
+        # checked here, in every role: a dim that is not an int would only fail when the
+        # controller decodes the placement, and take the runtime down with it
+        object.__setattr__(self, "dim", as_int(self.dim, "Shard(dim): dim"))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -57,6 +84,9 @@ class Partial(Placement):
     reduce_op: str = "sum"
 
     def __post_init__(self):
+        if not isinstance(self.reduce_op, str):
+            raise TypeError(f"Partial(reduce_op): reduce_op must be one of {REDUCE_OPS}, "
+                            f"not {type(self.reduce_op).__name__}")
         if self.reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
 
@@ -71,6 +101,11 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple:
     """Checks user placements and returns them as a tuple with non-negative shard dims."""
     if placements is None:
         return (Replicate(),) * mesh_ndim
+    if not isinstance(placements, (list, tuple)):
+        raise TypeError(
+            f"placements must be a list or tuple with one placement per mesh dim, got "
+            f"{placements!r}; e.g. placements=[{placements!r}] on a 1-D mesh"
+        )
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
         raise ValueError(
@@ -78,7 +113,7 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple:
         )
     out = []
     for p in placements:
-        if not isinstance(p, Placement):
+        if not isinstance(p, (Shard, Replicate, Partial)):
             raise TypeError(f"placements must be Shard, Replicate or Partial, got {p!r}")
         if isinstance(p, Shard):
             d = p.dim + tensor_ndim if p.dim < 0 else p.dim
@@ -87,6 +122,20 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple:
             p = Shard(d)
         out.append(p)
     return tuple(out)
+
+
+# reductions a dtype lacks: torch has no max or min of complex numbers, and no mean of bools
+_NO_REDUCTION = {"complex": ("max", "min"), "bool": ("avg",)}
+
+
+def check_partials(placements, dtype: str) -> None:
+    """Refuses a Partial whose reduction a tensor of ``dtype`` (a name: ``"complex64"``) lacks,
+    at the call: the devices would fail (or, for bools, average into floats)."""
+    kind = "complex" if dtype.startswith("complex") else dtype
+    for p in placements:
+        if isinstance(p, Partial) and p.reduce_op in _NO_REDUCTION.get(kind, ()):
+            raise ValueError(f"{p!r} cannot hold a {dtype} tensor: there is no {p.reduce_op} of "
+                             f"{kind} values; use Replicate() or Partial('sum')")
 
 
 def placements_str(placements) -> str:

@@ -9,20 +9,23 @@ Errors therefore raise here, at the user's line, before anything is sent.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import protocol as P
 from ..mesh import DeviceMesh
-from ..ops.creation import CLIENT_ONLY
+from ..ops.creation import CLIENT_ONLY, PY_DTYPES
 from ..ops.registry import INPLACE, lookup
 from ..ops.rules import Call, inplace_error
-from ..placement import encode_placement, normalize_placements
+from ..placement import Replicate, check_partials, encode_placement, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor
 from . import session as _session
 
 _new = Tensor.__new__
 _DEFAULT_MESH = None
+_REPLICATE = Replicate()
 
 
 def default_mesh() -> DeviceMesh:
@@ -45,8 +48,8 @@ class Bound:
 
 def dispatch(op, operands: tuple, static: tuple):
     s = _session._current
-    if s is None or s.closed or s.fatal is not None:
-        s = _session.current()  # starts the runtime, or raises its failure
+    if s is None or s.closed or s.alarm:
+        s = _session.current()  # starts the runtime, or raises its failure or unsent records
     # static args' types are part of the key: 6 == 6.0 in Python, but arange(6) is int64 and
     # arange(6.) float32
     kinds = tuple(map(type, static)) if static else ()
@@ -58,6 +61,9 @@ def dispatch(op, operands: tuple, static: tuple):
         key = (op, static) + key[2:]
         bound = s.bound.get(key)
     if bound is None:
+        sent = as_sent(op, operands, static)
+        if sent is not None:  # e.g. a NumPy scalar: the call again, keyed as its Python number
+            return dispatch(op, *sent)
         bound = s.bound[key] = bind(s, op, operands, static)
     return issue(s, bound, operands, s.site())
 
@@ -103,14 +109,100 @@ def _wire_operands(operands, mask) -> tuple:
     return tuple(o._id if m else o for o, m in zip(operands, mask))
 
 
+# -- what torch accepts, in the forms dtorch sends (cache miss) -----------------------------------
+# A call with such a value never gets a Bound of its own: it misses, ``as_sent`` replaces the
+# value, and the call is dispatched again, to hit the Bound of the form sent. So a hit never
+# converts anything, and a 0-dim tensor (whose dtype the key does not see) is always right.
+
+BY_VALUE = (bool, int, float, bytes, type(None))  # operands that travel as values, not ids
+
+
+def _numpy_scalar(value) -> bool:
+    """A NumPy number or bool (a NumPy scalar means NumPy is imported; dtorch never does)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, (np.number, np.bool_))
+
+
+def _number(value):
+    """A NumPy scalar as torch reads it: integers as int, everything else as float (so
+    ``x + np.bool_(True)`` is a float tensor, as in torch), a complex128 as complex."""
+    np = sys.modules["numpy"]
+    if isinstance(value, np.integer):
+        return int(value)
+    return complex(value) if isinstance(value, complex) else float(value)
+
+
+def _sent_static(value):
+    """A static arg as dtorch sends it: NumPy scalars and 0-dim torch tensors as their Python
+    numbers, a Python type as the dtype torch reads it as (``dtype=float`` is float64)."""
+    if isinstance(value, (tuple, list)):
+        items = [_sent_static(v) for v in value]
+        same = all(a is b for a, b in zip(items, value))
+        return value if same else type(value)(items)
+    if _numpy_scalar(value):
+        return _number(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    if isinstance(value, type) and value in PY_DTYPES:
+        return PY_DTYPES[value]
+    return value
+
+
+def _sent_operand(value, mesh):
+    """An operand as dtorch sends it: a NumPy scalar as its Python number, a 0-dim torch tensor
+    as a Replicate dtorch tensor on the call's mesh (so torch's type promotion for 0-dim tensors
+    holds: int tensor + float64 0-dim tensor is float64), an int or float subclass as the
+    number."""
+    if _numpy_scalar(value):
+        return _number(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        from ..factories import from_torch  # factories imports this module
+
+        m = mesh()
+        return from_torch(value, m, [_REPLICATE] * m.ndim)
+    if type(value) not in BY_VALUE and isinstance(value, (int, float)):
+        return float(value) if isinstance(value, float) else int(value)
+    return value
+
+
+def as_sent(op, operands: tuple, static: tuple):
+    """``(operands, static)`` with the values torch accepts but dtorch does not send as they
+    are replaced by what it sends, or None when there are none."""
+    def mesh():
+        return call_mesh(op, [o for o in operands if isinstance(o, Tensor)],
+                         dict(zip(op.static_names, static)))
+
+    new_operands = tuple(o if isinstance(o, Tensor) or type(o) in BY_VALUE else
+                         _sent_operand(o, mesh) for o in operands)
+    new_static = _sent_static(static)
+    changed = new_static is not static or any(a is not b for a, b in zip(new_operands, operands))
+    return (new_operands, new_static) if changed else None
+
+
 # -- binding (cache miss) -------------------------------------------------------------------------
+
+
+def factory_mesh(name: str, device_mesh) -> DeviceMesh:
+    """A factory's ``device_mesh``: the default one when None."""
+    if device_mesh is None:
+        return default_mesh()
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"dtorch.{name}: device_mesh must be a dtorch.DeviceMesh, got "
+                        f"{device_mesh!r}")
+    return device_mesh
+
+
+def check_layout(name: str, device_mesh, placements, ndim: int) -> None:
+    """The checks ``bind`` makes of a factory's layout, for fronts that must make them before
+    their own work (a random draw that advances the user's generator)."""
+    normalize_placements(placements, factory_mesh(name, device_mesh).ndim, ndim)
 
 
 def call_mesh(op, tensors, kw) -> DeviceMesh:
     """The mesh a call runs on: its operands' (all on one mesh), or a factory's device_mesh."""
-    mesh = tensors[0]._spec.mesh if tensors else kw.get("device_mesh") or default_mesh()
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"dtorch.{op.name}: device_mesh must be a dtorch.DeviceMesh, got {mesh!r}")
+    if not tensors:
+        return factory_mesh(op.name, kw.get("device_mesh"))
+    mesh = tensors[0]._spec.mesh
     for t in tensors[1:]:
         if t._spec.mesh != mesh:
             raise ValueError(
@@ -120,12 +212,28 @@ def call_mesh(op, tensors, kw) -> DeviceMesh:
     return mesh
 
 
+def check_by_value(op, operands) -> None:
+    """Refuses the operands left after ``as_sent`` that cannot travel by value (msgpack would
+    fail later, in the flusher thread): torch tensors with dims, and what torch accepts but
+    dtorch cannot send yet (complex numbers)."""
+    for o in operands:
+        if isinstance(o, Tensor) or type(o) in BY_VALUE:
+            continue
+        if isinstance(o, torch.Tensor):
+            raise TypeError(
+                f"dtorch.{op.name}: got a torch.Tensor operand of {o.dim()} dims; make it a "
+                f"dtorch.Tensor first with dtorch.from_torch(t, device_mesh=..., placements=...) "
+                f"(a 0-dim one is taken as it is)"
+            )
+        fix = ("pass it as a 0-dim tensor, torch.tensor(value)" if isinstance(o, complex) else
+               "make it a dtorch.Tensor with dtorch.from_torch")
+        raise TypeError(f"dtorch.{op.name}: a {type(o).__name__} operand ({o!r}) cannot be sent "
+                        f"to the devices; {fix}")
+
+
 def bind(s, op, operands, static) -> Bound:
-    if any(isinstance(o, torch.Tensor) for o in operands):  # it would travel by value
-        raise TypeError(
-            f"dtorch.{op.name}: got a torch.Tensor operand; make it a dtorch.Tensor first "
-            f"with dtorch.from_torch(t, device_mesh=..., placements=...)"
-        )
+    if any(isinstance(o, torch.Tensor) for o in operands):  # before the meta rule mixes it
+        check_by_value(op, operands)  # with meta tensors (a device error, not the fix)
     tensors = [o for o in operands if isinstance(o, Tensor)]
     kw = dict(zip(op.static_names, static))
     mesh = call_mesh(op, tensors, kw)
@@ -135,7 +243,8 @@ def bind(s, op, operands, static) -> Bound:
         torch.empty(o._spec.shape, dtype=o.dtype, device="meta") if isinstance(o, Tensor) else o
         for o in operands
     ]
-    result = meta(*args, **kernel_kw)
+    result = meta(*args, **kernel_kw)  # torch's own errors for what torch refuses
+    check_by_value(op, operands)  # and dtorch's for what it accepts but cannot send
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     outs = [(tuple(r.shape), r.dtype) for r in results]
     inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
@@ -186,6 +295,7 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     if mesh.device_type != spec.mesh.device_type:
         raise NotImplementedError("moving a tensor between device types is not supported yet")
     placements = normalize_placements(placements, len(mesh.shape), len(spec.shape))
+    check_partials(placements, spec.dtype)
     if mesh == spec.mesh and placements == spec.placements:
         return t
     s = _session.current()
@@ -197,12 +307,13 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
 
 
 def define_call(s, op_name, inputs, outputs, static, flags) -> int:
+    blob = P.pack_static(static)  # first: a static arg that cannot be sent raises here, unsent
     call_id = len(s.call_defs) + 1
     s.call_defs.append(op_name)
     s.append(P.DefineCall(
         P.DEFINE_CALL, call_id, op_name,
         [spec_id(s, i) if not isinstance(i, type) else 0 for i in inputs],
-        [spec_id(s, o) for o in outputs], P.pack_static(static), flags,
+        [spec_id(s, o) for o in outputs], blob, flags,
     ))
     return call_id
 
@@ -230,6 +341,12 @@ def _freeze(value):
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value
+
+
+def check_tensor(name: str, value, param: str = "other") -> None:
+    """torch's TypeError for a non-tensor where a function takes a tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}(): argument '{param}' must be Tensor, not {type(value).__name__}")
 
 
 def call_op(name: str, operands: tuple, static: tuple):

@@ -10,9 +10,12 @@ block: values are torch's exactly, for a given seed or a given ``torch.Generator
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 
-from ..placement import normalize_placements
+from ..placement import check_partials, is_int, normalize_placements
 from .registry import OpDef, register
 from .rules import Placed
 
@@ -22,16 +25,75 @@ LAYOUT = "dtype=None, device_mesh=None, placements=None"
 
 
 def creation_rule(call) -> Placed:
-    shape = call.outs[0][0]
-    return Placed((normalize_placements(call.static.get("placements"), len(call.mesh.shape),
-                                        len(shape)),))
+    shape, dtype = call.outs[0]
+    placements = normalize_placements(call.static.get("placements"), len(call.mesh.shape),
+                                      len(shape))
+    check_partials(placements, str(dtype)[6:])
+    return Placed((placements,))
+
+
+SEQUENCES = (tuple, list, torch.Size)
 
 
 def size_arg(size) -> tuple:
-    """``f(2, 3)``, ``f((2, 3))`` and ``f([2, 3])`` all mean the size (2, 3)."""
-    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+    """``f(2, 3)``, ``f((2, 3))`` and ``f([2, 3])`` all mean the size (2, 3). The entries stay
+    as given, for torch's metadata rule to check (2.5 is an error, not a 2)."""
+    if len(size) == 1 and isinstance(size[0], SEQUENCES):
         size = size[0]
-    return tuple(int(s) for s in size)
+    return tuple(size)
+
+
+# the Python types torch reads as dtypes (``zeros(3, dtype=float)`` is float64)
+PY_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def check_dtype(op: str, dtype) -> None:
+    """torch's TypeError for a dtype that is not one (a Python type such as ``float`` is one)."""
+    if not (dtype is None or isinstance(dtype, torch.dtype)
+            or isinstance(dtype, type) and dtype in PY_DTYPES):
+        raise TypeError(f"{op}(): argument 'dtype' must be torch.dtype, not "
+                        f"{type(dtype).__name__}")
+
+
+def check_size(op: str, sizes: tuple, keyword=None, dtype=None) -> tuple:
+    """A factory's size as a tuple of ints, with torch's checks and words: ``TypeError`` for
+    what is not a tuple of ints (or a ``dtype`` that is no dtype), then ``RuntimeError`` for a
+    negative size. ``sizes`` are the positional sizes (``zeros(2, 3)``, or one sequence:
+    ``zeros((2, 3))``), ``keyword`` the size given as one argument (``size=``), which must be a
+    sequence; as in torch, not both.
+
+    >>> check_size("zeros", (2, 3)), check_size("zeros", ([2, 3],))
+    ((2, 3), (2, 3))
+    >>> check_size("zeros", (2.5,))
+    Traceback (most recent call last):
+    TypeError: zeros(): argument 'size' (position 1) must be tuple of ints, not float
+    """
+    arg = f"{op}(): argument 'size'"
+    if not sizes and keyword is None:
+        raise TypeError(f'{op}() missing 1 required positional arguments: "size"')
+    if keyword is not None:
+        if sizes:
+            raise TypeError(f"{op}() got multiple values for argument 'size'")
+        if not isinstance(keyword, SEQUENCES):
+            raise TypeError(f"{arg} must be tuple of ints, not {type(keyword).__name__}")
+        sizes = tuple(keyword)
+    elif len(sizes) == 1 and isinstance(sizes[0], SEQUENCES):
+        sizes = tuple(sizes[0])
+    elif len(sizes) == 1 and not is_int(sizes[0]):
+        raise TypeError(f"{arg} (position 1) must be tuple of ints, not {type(sizes[0]).__name__}")
+    for pos, n in enumerate(sizes):
+        # as torch, which reads a bool after the first entry as 0 or 1 (not as the first: that
+        # one picks the overload)
+        if not (is_int(n) or pos and isinstance(n, bool)):
+            raise TypeError(f"{arg} (position 1) must be tuple of ints, but found element of "
+                            f"type {type(n).__name__} at pos {pos}")
+    sizes = tuple(operator.index(n) for n in sizes)
+    check_dtype(op, dtype)  # torch parses every argument before it looks at a value
+    negative = [n for n in sizes if n < 0]
+    if negative:
+        raise RuntimeError(f"Trying to create tensor with negative dimension {negative[0]}: "
+                           f"{list(sizes)}")
+    return sizes
 
 
 def _block(ctx, full: torch.Tensor) -> torch.Tensor:
@@ -82,27 +144,72 @@ def _meta_like(fn):
     return lambda *operands, size, dtype, **_: fn(size, dtype=dtype, device="meta")
 
 
+def checked(probe, meta):
+    """``meta``, then ``probe``: torch's CPU kernel on a tiny input, for the checks meta kernels
+    skip (the dtype is supported, the values fit it). Without it ``arange(5, dtype=torch.bool)``
+    or ``randint(5, 3, (2,))`` would pass here and fail on every device; with it they raise at
+    the user's line, in torch's words and types. torch parses the arguments first (the meta's
+    TypeError is torch's); where the meta kernel refuses a value, the CPU kernel may refuse it
+    with another type (``randn`` of int64), so the probe speaks first. It runs on a cache miss
+    only, like every metadata rule."""
+
+    def rule(*operands, **static):
+        try:
+            out = meta(*operands, **static)
+        except TypeError:
+            raise
+        except Exception:  # noqa: BLE001 - the CPU kernel's own error, where it has one
+            probe(**static)
+            raise
+        probe(**static)
+        return out
+
+    return rule
+
+
+# the probes of ``checked``, by the static args of each entry
+PROBES = {
+    "full": lambda size, fill_value, dtype: torch.full((), fill_value, dtype=dtype),
+    # (one element, or none where the tensor has none: torch draws nothing then, nor checks)
+    "rand": lambda size, dtype: torch.rand(min(math.prod(size), 1), dtype=dtype),
+    "randn": lambda size, dtype: torch.randn(min(math.prod(size), 1), dtype=dtype),
+    "randint": lambda low, high, size, dtype: torch.randint(low, high, (0,), dtype=dtype),
+    "arange": lambda start, end, step, dtype: torch.arange(0, 1, dtype=dtype),
+    # (at most 2 steps: one is fine for every dtype, but a bool linspace of 2 is not)
+    "linspace": lambda start, end, steps, dtype: torch.linspace(start, end, min(steps, 2),
+                                                                dtype=dtype),
+    "logspace": lambda start, end, steps, base, dtype: torch.logspace(start, end, min(steps, 2),
+                                                                      base, dtype=dtype),
+    # the dtype is supported and holds the largest value (randperm's n is an int by now)
+    "randperm": lambda n, dtype: (torch.randperm(0, dtype=dtype),
+                                  torch.full((), max(n - 1, 0), dtype=dtype)),
+}
+
+
 # their fronts (factories.py) also take the size as ``size=``, as torch's do
 for _name in ("zeros", "ones", "empty"):
     register(OpDef(_name, f"{_name}(*size, {LAYOUT})", factory(getattr(torch, _name)),
                    creation_rule, meta=_meta_like(getattr(torch, _name)), uses_context=True,
                    function=False))
 register(OpDef("full", f"full(size, fill_value, *, {LAYOUT})", _full_kernel, creation_rule,
-               meta=lambda size, fill_value, dtype: torch.full(size, fill_value, dtype=dtype,
-                                                               device="meta"),
+               meta=checked(PROBES["full"], lambda size, fill_value, dtype: torch.full(
+                   size, fill_value, dtype=dtype, device="meta")),
                uses_context=True))
+# (the meta kernels of rand and randn refuse an integer dtype even for no elements, where torch
+# draws nothing and checks nothing: the probe makes the checks, the meta gives the shape)
 for _name in ("rand", "randn"):
     register(OpDef(_name, f"{_name}(seed: Tensor, *size, {LAYOUT})",
                    random_kernel(getattr(torch, _name)), creation_rule,
-                   meta=_meta_like(getattr(torch, _name)), uses_context=True, function=False))
+                   meta=checked(PROBES[_name], _meta_like(torch.empty)),
+                   uses_context=True, function=False))
 register(OpDef("randint", f"randint(seed: Tensor, low, high, size, *, {LAYOUT})",
                random_kernel(torch.randint), creation_rule,
-               meta=lambda seed, low, high, size, dtype: torch.empty(size, dtype=dtype,
-                                                                     device="meta"),
+               meta=checked(PROBES["randint"], lambda seed, low, high, size, dtype: torch.randint(
+                   low, high, size, dtype=dtype, device="meta")),
                uses_context=True, function=False))
 register(OpDef("arange", f"arange(start, end, step, *, {LAYOUT})", _arange, creation_rule,
-               meta=lambda start, end, step, dtype: torch.arange(start, end, step, dtype=dtype,
-                                                                 device="meta"),
+               meta=checked(PROBES["arange"], lambda start, end, step, dtype: torch.arange(
+                   start, end, step, dtype=dtype, device="meta")),
                uses_context=True, function=False))
 register(OpDef("from_data", f"from_data(data: Tensor, size, *, {LAYOUT})", _from_data,
                creation_rule,
@@ -137,15 +244,17 @@ register(OpDef("eye", f"eye(n, m=None, *, {LAYOUT})", _eye, creation_rule,
                uses_context=True))
 register(OpDef("linspace", f"linspace(start, end, steps, *, {LAYOUT})", _spaced(torch.linspace),
                creation_rule,
-               meta=lambda start, end, steps, dtype: torch.linspace(start, end, steps,
-                                                                    dtype=dtype, device="meta"),
+               meta=checked(PROBES["linspace"], lambda start, end, steps, dtype: torch.linspace(
+                   start, end, steps, dtype=dtype, device="meta")),
                uses_context=True))
 register(OpDef("logspace", f"logspace(start, end, steps, base=10.0, *, {LAYOUT})",
                _spaced(torch.logspace), creation_rule,
-               meta=lambda start, end, steps, base, dtype: torch.logspace(
-                   start, end, steps, base, dtype=dtype, device="meta"),
+               meta=checked(PROBES["logspace"],
+                            lambda start, end, steps, base, dtype: torch.logspace(
+                                start, end, steps, base, dtype=dtype, device="meta")),
                uses_context=True))
 register(OpDef("randperm", f"randperm(seed: Tensor, n, *, {LAYOUT})",
                random_kernel(torch.randperm), creation_rule,
-               meta=lambda seed, n, dtype: torch.empty(n, dtype=dtype, device="meta"),
+               meta=checked(PROBES["randperm"], lambda seed, n, dtype: torch.randperm(
+                   n, dtype=dtype, device="meta")),
                uses_context=True, function=False))

@@ -80,7 +80,13 @@ def _getitem(input, *indices, index):
     return input[decode_index(index, indices)]
 
 
-def _getitem_meta(input, *indices, index):
+def meta_indices(indices) -> list:
+    """Index tensors for indexing a meta tensor: torch reads a 0-dim one as an int (``item()``,
+    which a meta tensor cannot do); any int gives the shape, so a CPU 0 stands in."""
+    return [torch.zeros((), dtype=torch.long) if i.dim() == 0 else i for i in indices]
+
+
+def getitem_meta(input, *indices, index):
     """The kernel on meta tensors, with torch's IndexError for index tensors that do not
     broadcast (the meta kernel raises a RuntimeError)."""
     try:
@@ -89,7 +95,7 @@ def _getitem_meta(input, *indices, index):
         shapes = ", ".join(str(list(i.shape)) for i in indices)
         raise IndexError(f"shape mismatch: indexing tensors could not be broadcast together "
                          f"with shapes {shapes}") from None
-    return _getitem(input, *indices, index=index)
+    return _getitem(input, *meta_indices(indices), index=index)
 
 
 def getitem_rule(call) -> Placed:
@@ -106,6 +112,10 @@ def _setitem(input, value, *indices, index):
     return input
 
 
+def setitem_meta(input, value, *indices, index):
+    return _setitem(input, value, *meta_indices(indices), index=index)
+
+
 def setitem_rule(call) -> Placed:
     """A whole dim may be sharded: the value's matching dim is then sharded alike (a Replicate
     value is chunked locally), or it broadcasts there. Writing P into P keeps P (each device
@@ -114,8 +124,8 @@ def setitem_rule(call) -> Placed:
     idx = call.tensors[1 + (not isinstance(value, type)):]
     items = call.static["index"]
     meta = torch.empty(spec.shape, device="meta")
-    view = meta[decode_index(items, [torch.empty(s.shape, dtype=torch.long, device="meta")
-                                     for s in idx])].shape
+    view = meta[decode_index(items, meta_indices(
+        [torch.empty(s.shape, dtype=torch.long, device="meta") for s in idx]))].shape
     rest = (R,) * len(idx)
     rows = []
     for d, o in passthrough_dims(items, spec.shape, [len(s.shape) for s in idx]).items():
@@ -131,9 +141,9 @@ def setitem_rule(call) -> Placed:
 
 
 register(OpDef("getitem", "getitem(input: Tensor, indices: TensorList, index)", _getitem,
-               getitem_rule, meta=_getitem_meta, function=False, flags=VIEW))
+               getitem_rule, meta=getitem_meta, function=False, flags=VIEW))
 register(OpDef("setitem", "setitem(input: Tensor, value: Tensor, indices: TensorList, index)",
-               _setitem, setitem_rule, function=False, flags=INPLACE))
+               _setitem, setitem_rule, meta=setitem_meta, function=False, flags=INPLACE))
 
 
 # -- torch's indexing functions -------------------------------------------------------------------
