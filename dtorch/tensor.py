@@ -24,6 +24,8 @@ DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dty
 
 class Tensor:
     __slots__ = ("_id", "_spec", "__weakref__")
+    # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
+    __array_ufunc__ = None
 
     # -- metadata -------------------------------------------------------------------------------
     @property

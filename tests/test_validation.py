@@ -553,8 +553,6 @@ def test_nested_float_static_after_an_int_hit(one):
     raise AssertionError("dim=(0.0,) was accepted")
 
 
-@pytest.mark.xfail(strict=True, reason="ops/activation.py takes softmax's dim modulo the rank "
-                                       "(softmax_dim), so dim=2 of a 2-D tensor is dim 0")
 def test_softmax_dim_out_of_range(one):
     x = dtorch.ones((3, 4), device_mesh=one)
     with pytest.raises(IndexError):
@@ -600,9 +598,10 @@ def test_eq_with_a_str_is_false(one):
     assert (dtorch.ones(2, device_mesh=one) == "a") is False
 
 
-@pytest.mark.xfail(strict=True, reason="tensor.py: NumPy's operators take np_scalar + x first and "
-                                       "cannot read a dtorch.Tensor (it needs __array_ufunc__ = "
-                                       "None, as torch sets __array_priority__)")
-def test_numpy_scalar_on_the_left(one):
-    x = dtorch.ones(2, device_mesh=one)
-    assert_close(np.float32(2) + x, torch.full((2,), 3.0), exact=True)
+@pytest.mark.parametrize("fn", [lambda a, x: a + x, lambda a, x: a - x, lambda a, x: a * x,
+                                lambda a, x: a / x], ids=["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("scalar", [np.float32(2), np.float64(2.5), np.int64(3)], ids=str)
+def test_numpy_scalar_on_the_left(one, fn, scalar):
+    t = torch.tensor([1.0, 2.0, 4.0])
+    x = dtorch.from_torch(t, device_mesh=one)
+    assert_close(fn(scalar, x), fn(scalar, t), exact=True)

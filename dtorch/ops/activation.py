@@ -72,7 +72,11 @@ def softmax_dim(dim, ndim: int) -> int:
     """torch's choice when ``dim`` is None (deprecated there, with a warning)."""
     if dim is None:
         return 0 if ndim in (0, 1, 3) else 1
-    return dim % max(ndim, 1)
+    n = max(ndim, 1)  # a 0-dim tensor takes dims -1 and 0, as torch's do
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], "
+                         f"but got {dim})")
+    return dim % n
 
 
 def softmax_batch(ndim, static) -> list:
