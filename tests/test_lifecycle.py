@@ -33,18 +33,19 @@ from processes import (
     wait_until,
 )
 
-DEATH_NOTICE_S = 5.0  # the promise: a dead process is reported within 5 s
+DEATH_NOTICE_S = 5.0  # the promise: a dead or silent process is reported within 5 s
 GONE_S = 1.0  # the promise: no runtime process outlives its client by more than 1 s
 
-# A client that kills one of its own runtime's processes, then keeps working until dtorch
-# raises; it reports how long that took, then restarts the runtime.
+# A client that kills (SIGKILL) or stops (SIGSTOP) one of its own runtime's processes, then keeps
+# working until dtorch raises; it reports how long that took, then restarts the runtime.
 KILL_ONE = CLIENT_PRELUDE + """
-victim = sys.argv[1]
+victim, how = sys.argv[1], sys.argv[2]
 mesh = dtorch.init_device_mesh("cpu", (4,))
 x = dtorch.from_torch(torch.arange(8.0), device_mesh=mesh, placements=[Shard(0)])
 assert x.redistribute(placements=[Replicate()]).sum().item() == 28.0
 controller, hosts = runtime_pids()
-os.kill(controller if victim == "controller" else hosts[0], signal.SIGKILL)
+pid = controller if victim == "controller" else hosts[0]
+os.kill(pid, getattr(signal, how))
 t0 = time.monotonic()
 error = None
 try:
@@ -66,20 +67,26 @@ dtorch.shutdown()
 gone = wait_until(lambda: not any(map(alive, [controller, *hosts])), 10)
 fresh = dtorch.init_device_mesh("cpu", (4,))
 y = dtorch.from_torch(torch.arange(8.0), device_mesh=fresh, placements=[Shard(0)])
-report(error=error, again=again, latency=latency, gone=gone,
+report(error=error, again=again, latency=latency, gone=gone, pid=pid,
        restarted=y.redistribute(placements=[Replicate()]).sum().item())
 """
 
 
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("victim", ["host", "controller"])
-def test_a_dead_process_raises_quickly_and_shutdown_restarts(victim):
-    r = run_client(KILL_ONE, timeout=120, args=[victim])
-    print(f"\n{victim} SIGKILL noticed after {r['latency'] * 1e3:.0f} ms")
+def test_a_dead_or_silent_process_raises_quickly_and_shutdown_restarts(victim, how):
+    """A killed process closes its pipe; a stopped one stops its heartbeat, and is killed."""
+    r = run_client(KILL_ONE, timeout=120, args=[victim, how])
+    print(f"\n{victim} {how} noticed after {r['latency'] * 1e3:.0f} ms")
     assert r["error"] is not None, "the client did not raise"
     assert r["latency"] < DEATH_NOTICE_S
-    assert ("SIGKILL" if victim == "host" else "controller") in r["error"]
+    if how == "SIGSTOP":
+        assert "no heartbeat" in r["error"] and str(r["pid"]) in r["error"]
+    else:
+        assert ("SIGKILL" if victim == "host" else "controller") in r["error"]
     assert r["again"] is not None and "shutdown()" in r["again"]
     assert r["restarted"] == 28.0
+    assert not alive(r["pid"])
 
 
 # A client with a 4-device mesh that prints its runtime's pids, then exits or waits to be killed.
