@@ -18,7 +18,7 @@ from ..mesh import DeviceMesh
 from ..ops.creation import CLIENT_ONLY, PY_DTYPES
 from ..ops.registry import INPLACE, lookup
 from ..ops.rules import Call, inplace_error
-from ..placement import Replicate, check_partials, encode_placement, normalize_placements
+from ..placement import Replicate, check_partials, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor
 from . import session as _session
@@ -323,8 +323,7 @@ def spec_id(s, spec) -> int:
     if i is None:
         mesh = mesh_id(s, spec.mesh)
         i = s.spec_ids[spec] = len(s.spec_ids) + 1
-        s.append(P.DefineSpec(P.DEFINE_SPEC, i, list(spec.shape), spec.dtype, mesh,
-                              [encode_placement(p) for p in spec.placements]))
+        s.append(P.define_spec(i, spec, mesh))
     return i
 
 
