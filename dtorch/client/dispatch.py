@@ -250,9 +250,13 @@ def bind(s, op, operands, static) -> Bound:
     inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
     call = Call(op, inputs, kw, outs, mesh)
     placed = op.placement(call)
+    held = outs
+    if placed.accumulate is not None:  # the kernel computes in it; ``post`` casts back
+        kw = {**kw, "dtype": placed.accumulate}
+        held = [(shape, placed.accumulate) for shape, _ in outs]
     out_specs = tuple(
         intern_spec(shape, str(dtype)[6:], mesh, pl)
-        for (shape, dtype), pl in zip(outs, placed.outs)
+        for (shape, dtype), pl in zip(held, placed.outs)
     )
     # torch's ``inplace=True`` argument makes that call an in-place one
     flags = op.flags | (INPLACE if kw.get("inplace") is True else 0)
@@ -267,7 +271,10 @@ def bind(s, op, operands, static) -> Bound:
         if target is not None
     )
     post = ()
-    if placed.post and any(placed.post):
+    if placed.accumulate is not None:
+        post = tuple(bind_accumulated(s, spec, spec.with_placements(target), dtype)
+                     for spec, target, (_, dtype) in zip(out_specs, placed.post, outs))
+    elif placed.post and any(placed.post):
         post = tuple(
             bind_redistribute(s, spec, spec.with_placements(target)) if target else None
             for spec, target in zip(out_specs, placed.post)
@@ -285,6 +292,16 @@ def bind_redistribute(s, src, dst) -> Bound:
         call_id = define_call(s, "redistribute", (src,), (dst,), (), 0)
         bound = s.bound[key] = Bound(call_id, (dst,), (True,))
     return bound
+
+
+def bind_accumulated(s, src, dst, dtype: torch.dtype) -> Bound:
+    """Redistributes ``src`` to ``dst`` in the accumulation dtype they are held in, then casts
+    the result to ``dtype``: one Bound whose ``post`` is the cast."""
+    cast = lookup("to")
+    final = intern_spec(dst.shape, str(dtype)[6:], dst.mesh, dst.placements)
+    cast_id = define_call(s, cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
+    reduce = bind_redistribute(s, src, dst)
+    return Bound(reduce.call_id, (dst,), (True,), post=(Bound(cast_id, (final,), (True,)),))
 
 
 def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:

@@ -73,6 +73,9 @@ class Placed(NamedTuple):
     outs: tuple  # placements of each output (a tuple per output)
     pre: tuple = ()  # per tensor operand: target placements to redistribute to first, or None
     post: tuple = ()  # per output: placements to redistribute the result to, or None
+    # the dtype the kernel computes its outputs in and ``post`` reduces them in, before they are
+    # cast to the call's own dtype (a low-precision sum over devices: float32, rounded once)
+    accumulate: torch.dtype | None = None
 
 
 # -- expansion ------------------------------------------------------------------------------------
