@@ -4,6 +4,11 @@ Every tensor is a distributed tensor (a DeviceMesh and one placement per mesh di
 thread only builds symbols and sends compact records; a controller process keeps the graph and
 dispatches it; host processes run torch kernels and torch.distributed collectives.
 
+Importing this module is the client role: it installs every operator's front (``dtorch.add``,
+``Tensor.add``, ``dtorch.nn.functional.relu``) from the registry (``client/frontend.install``)
+and starts nothing; the runtime starts at the first operator. Its names follow DTorch's
+(``docs/api.md``) and torch's.
+
 >>> import dtorch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
 >>> x = dtorch.ones((4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
@@ -16,63 +21,34 @@ import sys
 import torch as _torch
 
 from . import config, ops  # noqa: F401  (ops registers every operator)
+from . import cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
 from .client import frontend as _frontend
-from .client.graph import Graph, default_graph
+from .client.graph import default_graph, get_default_device_mesh
 from .client.session import shutdown
-from .factories import (
-    arange,
-    empty,
-    empty_like,
-    from_torch,
-    full_like,
-    manual_seed,
-    ones,
-    ones_like,
-    rand,
-    rand_like,
-    randint,
-    randint_like,
-    randn,
-    randn_like,
-    randperm,
-    tensor,
-    zeros,
-    zeros_like,
-)
+from .cluster.main_node import MainNode
 from .future import TensorFuture
-from .mesh import DeviceMesh, init_device_mesh
+from .global_option import GlobalOption
+from .graph import Graph, GraphOption, VoidFutureCollect
+from .memory_stats import MemoryStat, MemoryStats
+from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
+from .ops.creation import manual_seed
+from .ops.extension import local_map, register_op
 from .placement import Partial, Placement, Replicate, Shard
-from .tensor import Tensor
+from .tensor import TYPED, Tensor, get_data_type_tensor
+from . import tensor as _tensor_module
+from .type import OperatorFormat, PaddingType, PoolingKind, SdpaOption
 
-# torch's dtypes are dtorch's: dtorch.float32 is torch.float32
+# torch's dtypes and the types DTorch re-exports are torch's: dtorch.float32 is torch.float32
 for _name, _value in vars(_torch).items():
     if isinstance(_value, _torch.dtype):
         globals()[_name] = _value
+dtype, finfo, iinfo, device, Generator, Size = (_torch.dtype, _torch.finfo, _torch.iinfo,
+                                                _torch.device, _torch.Generator, _torch.Size)
+globals().update({name: getattr(_tensor_module, name) for name in TYPED})
 
 from . import nn  # noqa: E402
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)
-
-# torch.max(input, other) and torch.min: the elementwise forms (ops/reduction.py)
-from .ops.reduction import with_elementwise as _with_elementwise  # noqa: E402
-
-for _name, _elementwise in (("max", "maximum"), ("min", "minimum")):
-    globals()[_name] = _front = _with_elementwise(globals()[_name], _elementwise)
-    setattr(Tensor, _name, _front)
-
-# indexing fronts and the extension point (dtorch/indexing.py, dtorch/extension.py)
-from .extension import local_map, register_op  # noqa: E402
-from .indexing import getitem as _getitem, nonzero, setitem as _setitem, unique  # noqa: E402
-
-Tensor.__getitem__, Tensor.__setitem__ = _getitem, _setitem
-Tensor.nonzero, Tensor.unique = nonzero, unique
-
-# conversion fronts (dtorch/conversions.py)
-from . import conversions as _conversions  # noqa: E402
-
-globals().update(_conversions.FUNCTIONS)
-for _name, _fn in _conversions.METHODS.items():
-    setattr(Tensor, _name, _fn)
 
 
 def sync() -> None:

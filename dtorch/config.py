@@ -18,11 +18,16 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
 - max_inflight_ops (DTORCH_MAX_INFLIGHT_OPS): records the client may have sent but not yet seen
   executed; past it the user's thread blocks, so memory stays flat however far ahead a program
   runs.
+
+DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
+set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
+heartbeats travel over gRPC) the heartbeat timeout. As in DTorch, a timeout <= 0 is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 debug = int(os.environ.get("DTORCH_DEBUG", "0"))
@@ -35,6 +40,38 @@ heartbeat_interval_s = 0.25
 heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
 collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
 max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
+
+
+def seconds_from_env(name: str, environ, default: float | None = None) -> float | None:
+    """The timeout in seconds that variable ``name`` of ``environ`` sets (``default`` when it is
+    unset or empty). Not a number, or not a finite number > 0: ``ValueError`` naming it."""
+    raw = environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name}={raw!r}: a timeout must be a finite number of seconds > 0")
+    return value
+
+
+# knob -> (dtorch's variable, DTorch's): DTorch's counts where dtorch's is not set
+DTORCH_NAMES = {
+    "collective_timeout_s": ("DTORCH_COLLECTIVE_TIMEOUT", "DTORCH_COMM_TIMEOUT_SECOND"),
+    "heartbeat_timeout_s": ("DTORCH_HEARTBEAT_TIMEOUT", "DTORCH_GRPC_TIMEOUT_SECOND"),
+}
+
+
+def from_dtorch_names(environ) -> dict:
+    """The knobs that DTorch's variables in ``environ`` set (see ``DTORCH_NAMES``)."""
+    return {knob: seconds_from_env(theirs, environ)
+            for knob, (ours, theirs) in DTORCH_NAMES.items()
+            if ours not in environ and environ.get(theirs, "") != ""}
+
+
+globals().update(from_dtorch_names(os.environ))
 
 
 @contextlib.contextmanager

@@ -7,13 +7,19 @@
   min or avg).
 
 Placements are small frozen values with round-tripping ``repr`` and short ``str`` (``S(0)``,
-``R``, ``P``). The sharding math that every role needs (local shapes and offsets) lives here too,
-because it is pure and shared by the client, the controller and the hosts.
+``R``, ``P``). ``Placement("S1")``, DTorch's constructor, builds one from DTorch's strings
+(``"R"``, ``"P"``, ``"S<dim>"``). The sharding math that every role needs (local shapes and
+offsets) lives here too, because it is pure and shared by the client, the controller and the hosts.
+
+>>> Placement("S-1"), Placement("P").is_partial()
+(Shard(dim=-1), True)
 """
 
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,7 +47,32 @@ def as_int(value, what: str) -> int:
     return operator.index(value)
 
 
-class Placement:
+class _PlacementType(type):
+    """Makes ``Placement("S1")`` return a Shard (DTorch's string constructor) while Shard,
+    Replicate and Partial stay plain frozen dataclasses: ``Placement.__new__`` alone could not,
+    as Python would then call the subclass's ``__init__`` with the string. ``Placement()``
+    stays the bare base, which every op refuses as a placement."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is Placement and (args or kwargs):
+            return parse_placement(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class _ConcretePlacementType(_PlacementType):
+    """The type of Shard, Replicate and Partial: they build as any class does, at C speed
+    (placements are built on every op call)."""
+
+    __call__ = type.__call__
+
+
+class Placement(metaclass=_PlacementType):
+    """How one mesh dim lays a tensor out; ``Placement("R" | "P" | "S<dim>")`` builds one.
+
+    The predicates and getters are DTorch's. dtorch has no shards with sub-split coordinates
+    (DTorch makes them inside ``cat``), so ``has_sub_split_coordinates()`` is always False.
+    """
+
     __slots__ = ()
 
     def is_shard(self, dim: int | None = None) -> bool:
@@ -53,9 +84,44 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
+    def get_shard_index(self) -> int:
+        """The tensor dim a Shard splits."""
+        raise ValueError(f"{self!r} is not a Shard, so it has no shard index; check "
+                         f"is_shard() first")
+
+    def has_sub_split_coordinates(self) -> bool:
+        return False
+
+    def get_sub_split_coordinates(self) -> None:
+        """None: dtorch has no sub-split shards (see the class docstring)."""
+        return None
+
+
+_SHARD_STRING = re.compile(r"S(-?[0-9]+)")
+
+
+def parse_placement(placement: str) -> Placement:
+    """The placement DTorch writes as ``placement``: ``"R"`` (Replicate), ``"P"`` (a sum
+    Partial) or ``"S<dim>"`` (a Shard; a negative dim counts from the tensor's last).
+
+    >>> parse_placement("S1"), parse_placement("R")
+    (Shard(dim=1), Replicate())
+    """
+    if not isinstance(placement, str):
+        raise TypeError(f"Placement(placement) takes a str such as 'R', 'P' or 'S0', got "
+                        f"{placement!r}; for other placements use Shard(dim), Replicate() or "
+                        f"Partial(reduce_op)")
+    shard = _SHARD_STRING.fullmatch(placement)
+    if shard:
+        return Shard(int(shard[1]))
+    if placement in ("R", "P"):
+        return Replicate() if placement == "R" else Partial()
+    raise ValueError(f"Placement({placement!r}): the placement strings are 'R' (Replicate), "
+                     f"'P' (Partial sum) and 'S<dim>' (Shard, e.g. 'S0' or 'S-1')")
+
 
 @dataclass(frozen=True, slots=True)
-class Shard(Placement):
+class Shard(Placement, metaclass=_ConcretePlacementType):
     dim: int
 
     def __post_init__(self):
@@ -66,12 +132,15 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    def get_shard_index(self) -> int:
+        return self.dim
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
 
 @dataclass(frozen=True, slots=True)
-class Replicate(Placement):
+class Replicate(Placement, metaclass=_ConcretePlacementType):
     def is_replicate(self) -> bool:
         return True
 
@@ -80,7 +149,7 @@ class Replicate(Placement):
 
 
 @dataclass(frozen=True, slots=True)
-class Partial(Placement):
+class Partial(Placement, metaclass=_ConcretePlacementType):
     reduce_op: str = "sum"
 
     def __post_init__(self):
@@ -136,6 +205,106 @@ def check_partials(placements, dtype: str) -> None:
         if isinstance(p, Partial) and p.reduce_op in _NO_REDUCTION.get(kind, ()):
             raise ValueError(f"{p!r} cannot hold a {dtype} tensor: there is no {p.reduce_op} of "
                              f"{kind} values; use Replicate() or Partial('sum')")
+
+
+# -- placements given per mesh dim by name: redistribute_by_dict ---------------------------------
+
+DEFAULT_PLACEMENT_MODES = ("raise_error", "replicate", "keep")
+
+
+def get_placements_from_dict(device_mesh, placements_dict, original_placements=None,
+                             default_placement_mode: str = "raise_error", *,
+                             convert_shard_size_one_to_replicate: bool = True,
+                             shape=None) -> list:
+    """The placements, one per dim of ``device_mesh``, that ``placements_dict`` asks for.
+
+    The keys are all mesh dim names or all mesh dim indices. Keys the mesh lacks are ignored,
+    so one dict can serve every mesh of a model (``{"tp": Shard(0), "pp": Replicate()}`` on a
+    mesh with no "pp"). A dim missing from the dict gets, by ``default_placement_mode``:
+    ``"raise_error"`` a KeyError, ``"replicate"`` Replicate(), ``"keep"`` its entry of
+    ``original_placements`` (the tensor's current ones). A one-device mesh gets all
+    Replicate(). With ``shape`` (the tensor's) and ``convert_shard_size_one_to_replicate``, a
+    Shard of a size-1 tensor dim becomes Replicate(), as it holds the same values.
+
+    The positional order is DTorch's. ``Tensor.redistribute_by_dict`` should treat an empty
+    dict as none (keep the placements) before it calls this; here None or an empty dict leaves
+    every dim missing.
+
+    >>> from dtorch.mesh import DeviceMesh
+    >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])
+    >>> get_placements_from_dict(mesh, {"tp": Shard(0), "pp": Shard(1)}, None, "replicate")
+    [Replicate(), Shard(dim=0)]
+    """
+    if default_placement_mode not in DEFAULT_PLACEMENT_MODES:
+        raise ValueError(f"default_placement_mode must be one of {DEFAULT_PLACEMENT_MODES}, "
+                         f"got {default_placement_mode!r}")
+    if not device_mesh.is_distributed:
+        return [Replicate()] * device_mesh.ndim
+    placements_dict = {} if placements_dict is None else placements_dict
+    _check_placements_dict(placements_dict)
+    if default_placement_mode == "keep":
+        _check_original_placements(original_placements, device_mesh.ndim)
+    keys = _mesh_dim_keys(device_mesh, placements_dict)
+    out = [_placement_of_dim(device_mesh, placements_dict, key, i, original_placements,
+                             default_placement_mode) for i, key in enumerate(keys)]
+    if convert_shard_size_one_to_replicate and shape is not None:
+        out = [Replicate() if _shards_size_one(p, tuple(shape)) else p for p in out]
+    return out
+
+
+def _check_placements_dict(placements_dict) -> None:
+    if not isinstance(placements_dict, Mapping):
+        raise TypeError(f"placements_dict must be a dict from mesh dim names or indices to "
+                        f"placements, e.g. {{'tp': Shard(0)}}, got {placements_dict!r}")
+    bad = [k for k, p in placements_dict.items() if not isinstance(p, Placement)]
+    if bad:
+        raise TypeError(f"placements_dict maps mesh dims to placements, but its entry "
+                        f"{bad[0]!r} is {placements_dict[bad[0]]!r}; use Shard(dim), "
+                        f"Replicate(), Partial() or Placement('S0')")
+
+
+def _check_original_placements(original_placements, ndim: int) -> None:
+    if original_placements is None or len(original_placements) != ndim:
+        raise ValueError(f"default_placement_mode='keep' needs original_placements with one "
+                         f"placement per mesh dim ({ndim}), got {original_placements!r}")
+
+
+def _mesh_dim_keys(device_mesh, placements_dict) -> list:
+    """The key of each mesh dim in ``placements_dict``: its name when the keys are names, else
+    its index (an empty dict names them as the mesh does, for the error message)."""
+    keys = list(placements_dict)
+    if keys and all(isinstance(k, str) for k in keys):
+        if not device_mesh.dim_names:
+            raise ValueError(f"Key of placements_dict is dim_name but device_mesh not have "
+                             f"dim_name: {placements_dict} on {device_mesh!r}; name the mesh "
+                             f"dims (mesh_dim_names=...) or key the dict by mesh dim index")
+        return device_mesh.dim_names
+    if not all(is_int(k) for k in keys):
+        raise TypeError(f"the keys of placements_dict must be all mesh dim names (str) or all "
+                        f"mesh dim indices (int), got {keys}")
+    indices = list(range(device_mesh.ndim))
+    return indices if keys else device_mesh.dim_names or indices
+
+
+def _placement_of_dim(device_mesh, placements_dict, key, index, original_placements, mode):
+    if key in placements_dict:
+        return placements_dict[key]
+    if mode == "replicate":
+        return Replicate()
+    if mode == "keep":
+        return original_placements[index]
+    if isinstance(key, str):
+        what, mesh_dims = "Dimension name key", f"device_mesh.dim_names: {device_mesh.dim_names}"
+    else:
+        what, mesh_dims = "Index key", f"device_mesh.ndim: {device_mesh.ndim}"
+    raise KeyError(f"{what}: {key} not in placements_dict. Invalid placements_dict: "
+                   f"{placements_dict}, {mesh_dims}; give every mesh dim a placement or pass "
+                   f"default_placement_mode='replicate' or 'keep'")
+
+
+def _shards_size_one(placement: Placement, shape: tuple) -> bool:
+    return (isinstance(placement, Shard) and -len(shape) <= placement.dim < len(shape)
+            and shape[placement.dim] == 1)
 
 
 def placements_str(placements) -> str:

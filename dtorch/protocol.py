@@ -109,6 +109,11 @@ def op_operands(rec, n_outs: int):
     return rec[OP_OUTS + n_outs:]
 
 
+def items(rec):
+    """What a WAIT (its streams) or a CHAIN (its kernels) record lists after its tag."""
+    return rec[1:]
+
+
 def is_definition(rec) -> bool:
     """A DefineMesh, DefineSpec or DefineCall record (not a release, a bare int, nor one of
     the controller's graph nodes)."""
@@ -198,6 +203,20 @@ def unpack(frame) -> list:
 
 # -- static args: torch dtypes travel as ext type 1 with their name -----------------------------
 _DTYPE_EXT = 1
+
+
+# Static args the client consumes itself: the layout of a result is in its output spec
+CLIENT_ONLY = frozenset(("device_mesh", "placements"))
+
+
+def wire_static(static: dict) -> dict:
+    """The static args of a call that travel to the kernel, by name, in signature order."""
+    return {k: v for k, v in static.items() if k not in CLIENT_ONLY}
+
+
+def wire_names(static_names) -> list:
+    """The names of the static args a kernel receives, in the order they travel."""
+    return [n for n in static_names if n not in CLIENT_ONLY]
 
 
 def pack_static(static: tuple) -> bytes:

@@ -1,31 +1,55 @@
-"""dtorch.Tensor: a symbol for a distributed tensor.
+"""dtorch.Tensor: a symbol for a distributed tensor, and nothing else.
 
 A Tensor holds only metadata (an interned TensorSpec: global shape, dtype, mesh, placements) and
-an integer id; its value lives on the hosts. Operators return at once; reading a value
-(``to_torch``, ``item``, ``print``) is the only wait. Operator methods (``x.sum()``, ``x + y``)
-are generated from the operator registry by ``client/frontend.py``.
+an integer id; its value lives on the hosts. This module knows nothing of the runtime: the
+client's installer (``client/frontend.py``) adds the methods that talk to it (operators such as
+``x.sum()`` and ``x + y`` from the registry; ``to_torch_async``, ``redistribute`` and the release
+in ``__del__`` from the client), so the hosts and the controller can use the types here without
+the client role.
 
->>> import dtorch
+The constructor is DTorch's: ``dtorch.Tensor(data, device_mesh=None, placements=None)`` lays out
+a torch tensor, a NumPy array, nested lists or numbers, or another dtorch tensor (then an alias
+of its blocks, moved if a layout is given). The typed classes (``dtorch.FloatTensor`` ...) check
+the dtype in ``isinstance``.
+
+>>> import dtorch, torch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
->>> x = dtorch.ones((4, 2), device_mesh=mesh, placements=[dtorch.Shard(0)])
->>> (x * 3).sum().item()
-24.0
+>>> x = dtorch.Tensor(torch.ones(4, 2), mesh, [dtorch.Shard(0)])
+>>> (x * 3).sum().item(), isinstance(x, dtorch.FloatTensor)
+(24.0, True)
 """
 
 from __future__ import annotations
 
 import torch
 
-from .client import session as _session
-from .placement import Partial, Replicate, Shard, placements_str
+from .placement import get_placements_from_dict, placements_str
 
 DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class Tensor:
-    __slots__ = ("_id", "_spec", "__weakref__")
+    __slots__ = ("_id", "_spec", "_name", "__weakref__")
     # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
     __array_ufunc__ = None
+
+    def __new__(cls, data=None, device_mesh=None, placements=None, *, device=None, graph=None,
+                dtype=None):
+        """A tensor whose value is ``data`` (``dtorch.tensor``'s rules), laid out on
+        ``device_mesh`` (default: the graph's) with ``placements`` (default: Replicate)."""
+        from .ops.registry import lookup  # (ops import this module, for the type)
+
+        return lookup("tensor").front(data, dtype=_TYPED_DTYPES.get(cls, dtype), device=device,
+                                      device_mesh=device_mesh, placements=placements,
+                                      graph=graph)
+
+    # -- metadata -------------------------------------------------------------------------------
+    def set_name(self, name: str) -> None:
+        """A name for messages and traces (DTorch's ``set_name``)."""
+        self._name = str(name)
+
+    def get_name(self) -> str:
+        return getattr(self, "_name", "")
 
     # -- metadata -------------------------------------------------------------------------------
     @property
@@ -76,26 +100,43 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return self._spec.shape[0]
 
-    # -- layout ---------------------------------------------------------------------------------
-    def redistribute(self, device_mesh=None, placements=None) -> Tensor:
-        """The same value laid out on ``device_mesh`` (default: this tensor's) with
-        ``placements`` (default: all Replicate). Unchanged layout returns ``self``.
+    @property
+    def data(self) -> Tensor:
+        """The tensor itself (there is no autograd to detach from yet), as DTorch's."""
+        return self
 
-        >>> import dtorch
-        >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
-        >>> x = dtorch.arange(6, device_mesh=mesh, placements=[dtorch.Shard(0)])
-        >>> x.redistribute(placements=[dtorch.Replicate()]).placements
-        [Replicate()]
-        """
-        from .client.dispatch import redistribute
+    def is_contiguous(self, memory_format=None) -> bool:
+        """Always True: every block is stored contiguously on its device."""
+        return True
 
-        return redistribute(self, device_mesh, placements)
+    def check_placement(self, dim: int, expect, skip_when_dim_size_equal_one: bool = True):
+        """Whether mesh dim ``dim`` holds placement ``expect`` (True for a mesh dim of one
+        device, where every placement is the same, unless told not to skip it)."""
+        if skip_when_dim_size_equal_one and self._spec.mesh.shape[dim] == 1:
+            return True
+        return self._spec.placements[dim] == expect
+
+    def redistribute_like(self, other: Tensor) -> Tensor:
+        """This value in ``other``'s layout (its mesh and placements)."""
+        return self.redistribute(other.device_mesh, other.placements)
+
+    def redistribute_by_dict(self, device_mesh=None, placements_dict=None, *,
+                             default_placement_mode: str = "raise_error",
+                             convert_shard_size_one_to_replicate: bool = True) -> Tensor:
+        """``redistribute`` with placements named by mesh dim (``{"dp": Shard(0)}``): dims the
+        dict leaves out are Replicate, kept, or an error (``default_placement_mode``), and names
+        the mesh lacks are ignored (see ``get_placements_from_dict``)."""
+        mesh = self._spec.mesh if device_mesh is None else device_mesh
+        if not placements_dict:  # as DTorch: no dict keeps the placements (the mesh may move)
+            return self.redistribute(mesh, self.placements)
+        placements = get_placements_from_dict(
+            mesh, placements_dict, self.placements, default_placement_mode,
+            convert_shard_size_one_to_replicate=convert_shard_size_one_to_replicate,
+            shape=self._spec.shape)
+        return self.redistribute(mesh, placements)
 
     # -- values (the only waits) ----------------------------------------------------------------
-    def to_torch_async(self):
-        """A TensorFuture of the full logical value (shards joined, partials reduced)."""
-        return _session.current().fetch(self)
-
+    # -- values (the only waits) ----------------------------------------------------------------
     def to_torch(self) -> torch.Tensor:
         """The full logical value as a torch.Tensor on the CPU."""
         return self.to_torch_async().get()
@@ -145,17 +186,72 @@ class Tensor:
             return format(self.item(), spec)
         return str(self)
 
-    def __del__(self):
-        _session.release(self._id)
-
     def __reduce__(self):
         raise TypeError("a dtorch.Tensor is a handle to remote memory; use to_torch() to save it")
 
     def __iter__(self):
-        raise TypeError("iterating a dtorch.Tensor element by element is not supported yet")
+        """The sub-tensors along dim 0, as torch iterates (``x[0]``, ``x[1]``, ...)."""
+        if not self._spec.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self._spec.shape[0]))
 
     def _short(self) -> str:
         return f"Tensor#{self._id}{list(self._spec.shape)}{placements_str(self._spec.placements)}"
 
 
-__all__ = ["Tensor", "DTYPES", "Shard", "Replicate", "Partial"]
+def tensors_redistribute_by_dict(tensors, device_mesh=None, placements_dict=None, **options):
+    """``redistribute_by_dict`` of each tensor of a list, tuple or dict (other values pass as
+    they are), in the same structure: a model's inputs in one call."""
+    def move(t):
+        return t.redistribute_by_dict(device_mesh, placements_dict, **options) if isinstance(
+            t, Tensor) else t
+
+    if isinstance(tensors, dict):
+        return {k: move(v) for k, v in tensors.items()}
+    if isinstance(tensors, (list, tuple)):
+        return type(tensors)(move(t) for t in tensors)
+    return move(tensors)
+
+
+def symbol(tensor_id: int, spec) -> Tensor:
+    """The Tensor for an id the client has issued (how the client makes every result)."""
+    t = _new(Tensor)
+    t._id = tensor_id
+    t._spec = spec
+    return t
+
+
+_new = object.__new__
+
+
+# -- typed classes --------------------------------------------------------------------------------
+
+
+class _TypedTensorMeta(type):
+    """``isinstance(x, dtorch.FloatTensor)`` is whether ``x`` is a dtorch tensor of that dtype
+    (DTorch's check compares nothing: its ``__instancecheck__`` is not on a metaclass)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, Tensor) and obj.dtype == _TYPED_DTYPES[cls]
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return sub is cls
+
+
+def get_data_type_tensor(dtype: torch.dtype) -> type:
+    """The typed class of ``dtype`` (``FloatTensor`` for float32): calling it makes a tensor of
+    that dtype, ``isinstance`` checks the dtype."""
+    for cls, d in _TYPED_DTYPES.items():
+        if d == dtype:
+            return cls
+    raise ValueError(f"dtorch has no typed tensor class for {dtype}")
+
+
+_TYPED_DTYPES: dict = {}
+TYPED = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+         "BFloat16Tensor": torch.bfloat16, "ByteTensor": torch.uint8, "CharTensor": torch.int8,
+         "ShortTensor": torch.int16, "IntTensor": torch.int32, "LongTensor": torch.int64,
+         "BoolTensor": torch.bool}
+for _name, _dtype in TYPED.items():
+    _TYPED_DTYPES[_TypedTensorMeta(_name, (Tensor,), {"__slots__": ()})] = _dtype
+globals().update({cls.__name__: cls for cls in _TYPED_DTYPES})

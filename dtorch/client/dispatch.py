@@ -15,24 +15,15 @@ import torch
 
 from .. import protocol as P
 from ..mesh import DeviceMesh
-from ..ops.creation import CLIENT_ONLY, PY_DTYPES
+from ..ops.creation import PY_DTYPES
 from ..ops.registry import INPLACE, lookup
 from ..ops.rules import Call, inplace_error
 from ..placement import Replicate, check_partials, normalize_placements
 from ..spec import intern_spec
-from ..tensor import Tensor
+from ..tensor import Tensor, symbol
 from . import session as _session
 
-_new = Tensor.__new__
-_DEFAULT_MESH = None
 _REPLICATE = Replicate()
-
-
-def default_mesh() -> DeviceMesh:
-    global _DEFAULT_MESH
-    if _DEFAULT_MESH is None:
-        _DEFAULT_MESH = DeviceMesh("cpu", [0])
-    return _DEFAULT_MESH
 
 
 class Bound:
@@ -80,17 +71,10 @@ def issue(s, b: Bound, operands, site: int):
         return target
     ids = s.ids
     if b.single:
-        t = _new(Tensor)
-        t._id = i = next(ids)
-        t._spec = b.outs[0]
-        s.append((P.OP, b.call_id, site, 0, i, *vals))
+        t = symbol(next(ids), b.outs[0])
+        s.append((P.OP, b.call_id, site, 0, t._id, *vals))
         return issue(s, b.post[0], (t,), site) if b.post else t
-    outs = []
-    for spec in b.outs:
-        t = _new(Tensor)
-        t._id = next(ids)
-        t._spec = spec
-        outs.append(t)
+    outs = [symbol(next(ids), spec) for spec in b.outs]
     s.append((P.OP, b.call_id, site, 0, *[t._id for t in outs], *vals))
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
@@ -156,10 +140,8 @@ def _sent_operand(value, mesh):
     if _numpy_scalar(value):
         return _number(value)
     if isinstance(value, torch.Tensor) and value.dim() == 0:
-        from ..factories import from_torch  # factories imports this module
-
         m = mesh()
-        return from_torch(value, m, [_REPLICATE] * m.ndim)
+        return lookup("from_torch").front(value, m, [_REPLICATE] * m.ndim)
     if type(value) not in BY_VALUE and isinstance(value, (int, float)):
         return float(value) if isinstance(value, float) else int(value)
     return value
@@ -183,19 +165,16 @@ def as_sent(op, operands: tuple, static: tuple):
 
 
 def factory_mesh(name: str, device_mesh) -> DeviceMesh:
-    """A factory's ``device_mesh``: the default one when None."""
+    """A factory's ``device_mesh`` (its front has resolved the default: ``ops/creation.layout``;
+    an operator registered with no tensor operands takes the default graph's)."""
     if device_mesh is None:
-        return default_mesh()
+        from .graph import current_graph  # (graph imports session, as this module does)
+
+        return current_graph().default_device_mesh
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"dtorch.{name}: device_mesh must be a dtorch.DeviceMesh, got "
                         f"{device_mesh!r}")
     return device_mesh
-
-
-def check_layout(name: str, device_mesh, placements, ndim: int) -> None:
-    """The checks ``bind`` makes of a factory's layout, for fronts that must make them before
-    their own work (a random draw that advances the user's generator)."""
-    normalize_placements(placements, factory_mesh(name, device_mesh).ndim, ndim)
 
 
 def call_mesh(op, tensors, kw) -> DeviceMesh:
@@ -237,13 +216,12 @@ def bind(s, op, operands, static) -> Bound:
     tensors = [o for o in operands if isinstance(o, Tensor)]
     kw = dict(zip(op.static_names, static))
     mesh = call_mesh(op, tensors, kw)
-    kernel_kw = {k: v for k, v in kw.items() if k not in CLIENT_ONLY}
     meta = op.meta or op.kernel
     args = [
         torch.empty(o._spec.shape, dtype=o.dtype, device="meta") if isinstance(o, Tensor) else o
         for o in operands
     ]
-    result = meta(*args, **kernel_kw)  # torch's own errors for what torch refuses
+    result = meta(*args, **P.wire_static(kw))  # torch's own errors for what torch refuses
     check_by_value(op, operands)  # and dtorch's for what it accepts but cannot send
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     outs = [(tuple(r.shape), r.dtype) for r in results]
@@ -279,8 +257,7 @@ def bind(s, op, operands, static) -> Bound:
             bind_redistribute(s, spec, spec.with_placements(target)) if target else None
             for spec, target in zip(out_specs, placed.post)
         )
-    static_wire = tuple(v for k, v in kw.items() if k not in CLIENT_ONLY)
-    call_id = define_call(s, op.name, inputs, out_specs, static_wire, flags)
+    call_id = s.define_call(op.name, inputs, out_specs, tuple(P.wire_static(kw).values()), flags)
     mask = tuple(isinstance(o, Tensor) for o in operands)
     return Bound(call_id, out_specs, mask, pre, post, inplace)
 
@@ -289,7 +266,7 @@ def bind_redistribute(s, src, dst) -> Bound:
     key = ("redistribute", src, dst)
     bound = s.bound.get(key)
     if bound is None:
-        call_id = define_call(s, "redistribute", (src,), (dst,), (), 0)
+        call_id = s.define_call("redistribute", (src,), (dst,), (), 0)
         bound = s.bound[key] = Bound(call_id, (dst,), (True,))
     return bound
 
@@ -299,12 +276,21 @@ def bind_accumulated(s, src, dst, dtype: torch.dtype) -> Bound:
     the result to ``dtype``: one Bound whose ``post`` is the cast."""
     cast = lookup("to")
     final = intern_spec(dst.shape, str(dtype)[6:], dst.mesh, dst.placements)
-    cast_id = define_call(s, cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
+    cast_id = s.define_call(cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
     reduce = bind_redistribute(s, src, dst)
     return Bound(reduce.call_id, (dst,), (True,), post=(Bound(cast_id, (final,), (True,)),))
 
 
 def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
+    """``Tensor.redistribute``: the same value laid out on ``device_mesh`` (default: this
+    tensor's) with ``placements`` (default: all Replicate). Unchanged layout returns ``t``.
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.arange(6, device_mesh=mesh, placements=[dtorch.Shard(0)])
+    >>> x.redistribute(placements=[dtorch.Replicate()]).placements
+    [Replicate()]
+    """
     spec = t._spec
     mesh = spec.mesh if device_mesh is None else device_mesh
     if not isinstance(mesh, DeviceMesh):
@@ -320,51 +306,7 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     return issue(s, b, (t,), s.site())
 
 
-# -- definitions sent once per session ------------------------------------------------------------
-
-
-def define_call(s, op_name, inputs, outputs, static, flags) -> int:
-    blob = P.pack_static(static)  # first: a static arg that cannot be sent raises here, unsent
-    call_id = len(s.call_defs) + 1
-    s.call_defs.append(op_name)
-    s.append(P.DefineCall(
-        P.DEFINE_CALL, call_id, op_name,
-        [spec_id(s, i) if not isinstance(i, type) else 0 for i in inputs],
-        [spec_id(s, o) for o in outputs], blob, flags,
-    ))
-    return call_id
-
-
-def spec_id(s, spec) -> int:
-    i = s.spec_ids.get(spec)
-    if i is None:
-        mesh = mesh_id(s, spec.mesh)
-        i = s.spec_ids[spec] = len(s.spec_ids) + 1
-        s.append(P.define_spec(i, spec, mesh))
-    return i
-
-
-def mesh_id(s, mesh) -> int:
-    i = s.mesh_ids.get(mesh)
-    if i is None:
-        i = s.mesh_ids[mesh] = len(s.mesh_ids) + 1
-        s.append(P.DefineMesh(P.DEFINE_MESH, i, mesh.device_type, list(mesh.shape),
-                              list(mesh.devices)))
-    return i
-
-
 def _freeze(value):
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value
-
-
-def check_tensor(name: str, value, param: str = "other") -> None:
-    """torch's TypeError for a non-tensor where a function takes a tensor."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name}(): argument '{param}' must be Tensor, not {type(value).__name__}")
-
-
-def call_op(name: str, operands: tuple, static: tuple):
-    """Calls a registered operator by name (for fronts written by hand)."""
-    return dispatch(lookup(name), operands, static)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 
 from ..ops.creation import size_arg
-from ..ops.registry import REGISTRY
-from .dispatch import dispatch
+from ..ops.registry import REGISTRY, plug_dispatch
+from . import session
+from .dispatch import dispatch, redistribute
 
 _FILENAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<generated>")
 
@@ -75,7 +76,30 @@ def place(op, fn, module, functional, tensor_cls) -> None:
             setattr(tensor_cls, alias, fn)
 
 
+# the Tensor methods that talk to the runtime itself rather than issue an operator
+RUNTIME_METHODS = {
+    "to_torch_async": session.fetch,
+    "redistribute": redistribute,
+    "__del__": session.release,
+}
+
+
+_targets: tuple = ()  # (module, functional, tensor_cls) of ``install``
+
+
+def place_late(op) -> None:
+    """Places the front of an entry registered after ``install`` (``dtorch.register_op``)."""
+    place(op, op.front, *_targets)
+
+
 def install(module, functional, tensor_cls) -> None:
-    """Adds every registered operator's front (see ``place``)."""
+    """Adds every registered operator's front (see ``place``): the entry's own where it has
+    one, else the one generated from its signature; then the runtime's methods of Tensor. This
+    is the only place that adds to ``dtorch``, ``dtorch.nn.functional`` and ``Tensor``."""
+    global _targets
+    _targets = (module, functional, tensor_cls)
+    plug_dispatch(dispatch)
     for op in REGISTRY.values():
-        place(op, generate(op), module, functional, tensor_cls)
+        place(op, op.front or generate(op), module, functional, tensor_cls)
+    for name, fn in RUNTIME_METHODS.items():
+        setattr(tensor_cls, name, fn)

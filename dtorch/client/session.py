@@ -64,8 +64,14 @@ def _start() -> Session:
     return _current
 
 
-def release(tensor_id: int) -> None:
-    """Called from Tensor.__del__: queue the release with the operators. Like an operator, the
+def fetch(tensor) -> TensorFuture:
+    """``Tensor.to_torch_async``: a TensorFuture of the full logical value (shards joined,
+    partials reduced)."""
+    return current().fetch(tensor)
+
+
+def release(tensor) -> None:
+    """``Tensor.__del__``: queue the release of its id with the operators. Like an operator, the
     first record of a batch wakes the flusher, or a drop followed by no other call would keep
     the memory on the hosts until the next one. Unlike ``Session.append`` it never flushes:
     ``__del__`` may run inside a flush (a garbage collection there), whose lock is held."""
@@ -74,7 +80,7 @@ def release(tensor_id: int) -> None:
         records = s.records
         if not records:
             s._wake.set()
-        records.append(tensor_id)
+        records.append(tensor._id)
 
 
 def shutdown() -> None:
@@ -227,6 +233,36 @@ class Session:
                 self.unsent.append(f"dtorch's flusher failed: {type(e).__name__}: {e}")
                 self.alarm = True
 
+    # -- definitions (sent once per session) ----------------------------------------------------
+    def define_call(self, op_name: str, inputs, outputs, static: tuple, flags: int) -> int:
+        """The id of a new call template: operand specs (a Python type for a scalar), output
+        specs, the static args that travel, the op's flags."""
+        blob = P.pack_static(static)  # first: a static arg that cannot be sent raises, unsent
+        call_id = len(self.call_defs) + 1
+        self.call_defs.append(op_name)
+        self.append(P.DefineCall(
+            P.DEFINE_CALL, call_id, op_name,
+            [self.spec_id(i) if not isinstance(i, type) else 0 for i in inputs],
+            [self.spec_id(o) for o in outputs], blob, flags,
+        ))
+        return call_id
+
+    def spec_id(self, spec) -> int:
+        i = self.spec_ids.get(spec)
+        if i is None:
+            mesh = self.mesh_id(spec.mesh)
+            i = self.spec_ids[spec] = len(self.spec_ids) + 1
+            self.append(P.define_spec(i, spec, mesh))
+        return i
+
+    def mesh_id(self, mesh) -> int:
+        i = self.mesh_ids.get(mesh)
+        if i is None:
+            i = self.mesh_ids[mesh] = len(self.mesh_ids) + 1
+            self.append(P.DefineMesh(P.DEFINE_MESH, i, mesh.device_type, list(mesh.shape),
+                                     list(mesh.devices)))
+        return i
+
     def set_graph(self, graph: int) -> None:
         if graph != self.graph:
             self.graph = graph
@@ -258,16 +294,20 @@ class Session:
             self._fail_all()
         return future
 
-    def sync(self) -> None:
+    def sync_async(self) -> TensorFuture:
+        """A sync that does not wait: the future completes once every operator issued so far
+        has run; its get() raises the kernel errors reported before it."""
         request = next(self.requests)
-        future = TensorFuture()
+        future = TensorFuture(check=self.raise_errors)
         self.pending[request] = (future, None, None)
         self.append(P.Sync(P.SYNC, request))
         self.flush()
         if self.fatal is not None:
             self._fail_all()
-        future.get()
-        self.raise_errors()
+        return future
+
+    def sync(self) -> None:
+        self.sync_async().get()
 
     def raise_alarm(self) -> None:
         """The runtime's failure, or the records that could not be sent (then the runtime

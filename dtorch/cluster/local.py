@@ -111,10 +111,10 @@ def stop_all(children, timeout: float) -> None:
         child._reap(deadline - time.monotonic())
 
 
-# Children import their module under a stub ``dtorch`` package, skipping dtorch/__init__.py (the
+# Children import their module under a bare ``dtorch`` package, skipping dtorch/__init__.py (the
 # client's public API, which imports torch): the controller never needs torch and starts in a
-# fraction of the time. ``child_main`` runs before the module is imported, so the heartbeat
-# beats while a host spends seconds importing torch.
+# fraction of the time, and no role runs the client's code. ``child_main`` runs before the module
+# is imported, so the heartbeat beats while a host spends seconds importing torch.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = (
     "import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
@@ -184,7 +184,27 @@ def child_main(module: str, argv: list) -> None:
 
     threading.Thread(target=watch_parent, name="dtorch-parent-watch", daemon=True).start()
     threading.Thread(target=beat, name="dtorch-heartbeat", daemon=True).start()
+    sys.modules["dtorch"].__getattr__ = _public_api
     import_module(module).main(argv, keys, on_exit.append)
+
+
+def _public_api(name: str):
+    """The bare package's missing attributes: a user's kernel module that a host imports (see
+    ``ops/extension.py``) and that uses ``dtorch.Shard`` or ``dtorch.register_op`` gets the
+    public package, loaded then, as in any process that imports dtorch. The runtime's own code
+    never asks for it."""
+    package = sys.modules["dtorch"]
+    if name.startswith("__"):  # the import system's probes (``__spec__``, ``__file__``)
+        raise AttributeError(name)
+    del package.__getattr__
+    import importlib.util
+
+    init = os.path.join(package.__path__[0], "__init__.py")
+    spec = importlib.util.spec_from_file_location("dtorch", init,
+                                                  submodule_search_locations=package.__path__)
+    package.__spec__, package.__package__, package.__file__ = spec, "dtorch", init
+    spec.loader.exec_module(package)
+    return getattr(package, name)
 
 
 def _read_exactly(fd: int, n: int) -> bytes:

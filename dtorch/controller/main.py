@@ -206,11 +206,12 @@ class Controller:
                 self.host_sock.send_multipart([host.identity, frame], copy=False)
             host.backlog = []
         elif tag == P.SYNCED:
-            waiting = self.syncs.get(msg[1])
+            request = P.Synced(*msg).token
+            waiting = self.syncs.get(request)
             if waiting is not None:
                 waiting.discard(host.index)
                 if not waiting:
-                    self.ack_sync(msg[1])
+                    self.ack_sync(request)
         else:
             if tag == P.FATAL:  # a host failing as a peer host dies: name the death instead
                 self.report_dead_hosts(timeout=DEATH_GRACE_S)

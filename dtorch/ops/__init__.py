@@ -3,4 +3,6 @@
 from . import activation, creation, elementwise, linalg, reduction, shape  # noqa: F401
 from . import conversion  # noqa: F401,E402
 from . import extension, indexing, nn  # noqa: F401,E402  (indexing, nn ops, user ops)
+from . import system  # noqa: F401,E402  (NVTX ranges and marks)
+from . import memory  # noqa: F401,E402  (Graph.get_memory_stats, empty_cache)
 from .registry import REGISTRY, OpDef, lookup, register  # noqa: F401

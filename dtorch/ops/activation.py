@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import Partial, Shard
+from ..type import OperatorFormat
+from .creation import fresh_seed
 from .meta import probed
-from .registry import INPLACE, VIEW, OpDef, register
+from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import LINEAR_PARTIALS, R, expand, pointwise
 
 MAX_MIN = (Partial("max"), Partial("min"))
@@ -188,13 +190,109 @@ MIXING = [
      _batch_norm, None, channel_batch, True),
 ]
 
+# -- DTorch's argument forms beside torch's (used by ops/nn.py too): a parameter under either
+# name (``weight=``/``scale=``), channels-last images (``format=OperatorFormat.nhwc`` or
+# ``is_nchw=False``: the channel dim last)
+
+
+def either(op: str, name: str, value, alias: str, alias_value, default=None):
+    """One parameter that torch names ``name`` and DTorch ``alias``; not both."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{op}() got '{name}' and '{alias}', two names of one parameter")
+    value = alias_value if value is None else value
+    return default if value is None else value
+
+
+def channels_last(op: str, format=None, is_nchw=None) -> bool:
+    """Whether images come channels last: ``format=OperatorFormat.nhwc`` (or ``"nhwc"``), or
+    ``is_nchw=False`` (the name DTorch's modules use for the same)."""
+    nhwc = None if format is None else OperatorFormat(format) is OperatorFormat.nhwc
+    if is_nchw is not None:
+        if nhwc is not None and nhwc == bool(is_nchw):
+            raise ValueError(f"{op}(): format={OperatorFormat(format)} and is_nchw={is_nchw} "
+                             f"disagree")
+        nhwc = not is_nchw
+    return bool(nhwc)
+
+
+# -- fronts: torch's forms and DTorch's (``scale=`` for ``weight=``, ``format=`` for batch_norm);
+# dtorch.<name> is the nn.functional form, as DTorch's (torch.batch_norm orders its parameters
+# otherwise: docs/ops.md)
+
+
+def _softmax_front(name: str):
+    def front(input, dim=None, _stacklevel=3, dtype=None):
+        if isinstance(_stacklevel, torch.dtype):  # torch.softmax(x, dim, dtype), x.softmax(...)
+            _stacklevel, dtype = 3, _stacklevel
+        return issue(name, (input,), (dim, _stacklevel, dtype))
+
+    front.__name__ = front.__qualname__ = name
+    front.__doc__ = (f"``torch.nn.functional.{name}`` (and ``torch.{name}(input, dim, dtype)``, "
+                     f"``Tensor.{name}``): along ``dim``, which must be whole on each device.")
+    return front
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05, *, scale=None):
+    """``torch.nn.functional.layer_norm``; DTorch's ``scale=`` is ``weight=``, and its
+    ``normalized_shape`` may be one int."""
+    weight = either("layer_norm", "weight", weight, "scale", scale)
+    return issue("layer_norm", (input, weight, bias), (_shape(normalized_shape), eps))
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None, *, scale=None):
+    """``torch.nn.functional.rms_norm`` (``eps=None``: torch's, the dtype's epsilon); DTorch
+    passes ``eps`` (its default is 1e-5), may call the weight ``scale=`` and give
+    ``normalized_shape`` as one int."""
+    weight = either("rms_norm", "weight", weight, "scale", scale)
+    return issue("rms_norm", (input, weight), (_shape(normalized_shape), eps))
+
+
+def _shape(normalized_shape):
+    """DTorch's int ``normalized_shape`` as torch's one-dim tuple."""
+    is_int = isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool)
+    return (normalized_shape,) if is_int else normalized_shape
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, *, scale=None):
+    """``torch.nn.functional.group_norm``; DTorch's ``scale=`` is ``weight=``."""
+    weight = either("group_norm", "weight", weight, "scale", scale)
+    return issue("group_norm", (input, weight, bias), (num_groups, eps))
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-05, format=None, *, scale=None, is_nchw=None):
+    """``torch.nn.functional.batch_norm`` and DTorch's form: ``scale=`` is ``weight=``;
+    ``format=OperatorFormat.nhwc`` (or ``is_nchw=False``): the channel dim last.
+
+    >>> import dtorch
+    >>> from dtorch.type import OperatorFormat
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones((2, 4, 4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
+    >>> mean, var = dtorch.zeros(3, device_mesh=mesh), dtorch.ones(3, device_mesh=mesh)
+    >>> dtorch.batch_norm(x, mean, var, format=OperatorFormat.nhwc, eps=0.0).placements
+    [Shard(dim=0)]
+    """
+    if isinstance(format, bool):  # torch.batch_norm(input, weight, bias, mean, var, ...,
+        raise TypeError(  # cudnn_enabled)
+            "dtorch.batch_norm takes torch.nn.functional.batch_norm's parameters (input, "
+            "running_mean, running_var, weight, bias, training, momentum, eps), as DTorch's; "
+            "torch.batch_norm's order (weight and bias first, cudnn_enabled last) is not taken")
+    weight = either("batch_norm", "weight", weight, "scale", scale)
+    nhwc = channels_last("batch_norm", format, is_nchw)
+    x = issue("movedim", (input,), (-1, 1)) if nhwc else input
+    out = issue("batch_norm", (x, running_mean, running_var, weight, bias),
+                (training, momentum, eps))
+    return issue("movedim", (out,), (1, -1)) if nhwc else out
+
+
+FRONTS = {"softmax": _softmax_front("softmax"), "log_softmax": _softmax_front("log_softmax"),
+          "layer_norm": layer_norm, "rms_norm": rms_norm, "group_norm": group_norm,
+          "batch_norm": batch_norm}
+
 for name, signature, kernel, checked, batch_dims, channel in MIXING:
-    rule = mixing_rule(batch_dims, channel)
-    # functional only: torch.softmax, torch.batch_norm and Tensor.softmax order their
-    # parameters otherwise
-    register(OpDef(name, signature, kernel, rule,
-                   meta=probed_mixing(checked or kernel, batch_dims), function=False,
-                   functional=True))
+    register(OpDef(name, signature, kernel, mixing_rule(batch_dims, channel),
+                   meta=probed_mixing(checked or kernel, batch_dims), functional=True,
+                   methods=(name,) if name.endswith("softmax") else (), front=FRONTS[name]))
 
 
 # -- dropout --------------------------------------------------------------------------------------
@@ -222,9 +320,77 @@ def _dropout(ctx, input, seed, p=0.5, training=True, inplace=False):
     return input.mul_(noise) if inplace else input * noise
 
 
+def dropout(input, p=0.5, training=True, inplace=False):
+    """``torch.nn.functional.dropout`` (also ``dtorch.dropout``): zeroes each element with
+    probability ``p`` and scales the rest by ``1 / (1 - p)`` when ``training``; the identity
+    otherwise. Draws come from dtorch's seed (``dtorch.manual_seed``), each device for its own
+    block, so the values differ from torch's for the same seed.
+
+    >>> import dtorch, torch
+    >>> x = dtorch.ones((4, 3), device_mesh=dtorch.DeviceMesh("cpu", [0, 1]),
+    ...                 placements=[dtorch.Shard(0)])
+    >>> sorted(set(dtorch.nn.functional.dropout(x, 0.5).to_torch().flatten().tolist()) - {0.0})
+    [2.0]
+    """
+    if not 0 <= p <= 1:  # before the draw: a call that fails leaves the seed as it was
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    seed = fresh_seed() if training else 0
+    return issue("dropout", (input, seed), (p, training, inplace))
+
+
+# the seed operand travels by value: the front draws it (dtorch.manual_seed seeds the draws)
 register(OpDef("dropout", "dropout(input: Tensor, seed: Tensor, p=0.5, training=True, "
                "inplace=False)", _dropout,
                pointwise(linear=(0,), partials=LINEAR_PARTIALS),
                meta=lambda input, seed, p, training, inplace: F.dropout(input, p, training),
-               uses_context=True, function=False, flags=VIEW,
-               doc="Use dtorch.nn.functional.dropout, which draws the seed operand."))
+               uses_context=True, functional=True, flags=VIEW, front=dropout))
+
+
+# -- DTorch's fused ops (diffusers' blocks), composed of the entries above and others: each
+# step keeps its own placement rule, so they take every layout their steps take
+
+
+def _silu_linear_chunk(emb, linear_weight, linear_bias, chunk_size):
+    """DTorch's ``silu(emb) @ linear_weight.T + linear_bias``, cut into ``chunk_size`` pieces
+    along dim 1 (diffusers' AdaLayerNorm modulation), as a list.
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> emb, w = dtorch.ones((2, 4), device_mesh=mesh), dtorch.ones((6, 4), device_mesh=mesh)
+    >>> [p.shape for p in dtorch.nn.functional._silu_linear_chunk(emb, w, None, 3)]
+    [torch.Size([2, 2]), torch.Size([2, 2]), torch.Size([2, 2])]
+    """
+    out = issue("linear", (issue("silu", (emb,), (False,)), linear_weight, linear_bias), ())
+    pieces = issue("chunk", (out,), (chunk_size, 1))
+    return list(pieces) if isinstance(pieces, tuple) else [pieces]
+
+
+def _layer_norm_mul_add(x, scale, shift, normalized_shape, norm_eps=1e-05, norm_scale=None,
+                        norm_bias=None):
+    """DTorch's ``layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`` (diffusers'
+    AdaLayerNormZero: ``scale`` and ``shift`` of shape (batch, dim) modulate each sample of
+    ``x`` (batch, tokens, dim)); ``norm_scale``/``norm_bias`` are the layer norm's weight and
+    bias.
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones((2, 3, 4), device_mesh=mesh, placements=[dtorch.Shard(1)])
+    >>> s = dtorch.ones((2, 4), device_mesh=mesh)
+    >>> dtorch.nn.functional._layer_norm_mul_add(x, s, s, (4,)).to_torch().unique().tolist()
+    [1.0]
+    """
+    normed = issue("layer_norm", (x, norm_scale, norm_bias), (_shape(normalized_shape), norm_eps))
+    scale = issue("add", (issue("unsqueeze", (scale,), (1,)), 1), (1,))
+    return issue("add", (issue("mul", (normed, scale), ()),
+                         issue("unsqueeze", (shift,), (1,))), (1,))
+
+
+FUSED = [
+    ("_silu_linear_chunk", "emb: Tensor, linear_weight: Tensor, linear_bias: Tensor, chunk_size",
+     _silu_linear_chunk),
+    ("_layer_norm_mul_add", "x: Tensor, scale: Tensor, shift: Tensor, normalized_shape, "
+     "norm_eps=1e-05, norm_scale: Tensor = None, norm_bias: Tensor = None", _layer_norm_mul_add),
+]
+for name, params, front in FUSED:
+    register(OpDef(name, f"{name}({params})", None, None, front=front, function=False,
+                   functional=True))

@@ -1,17 +1,25 @@
-"""Conversions: detach, copy_ into a tensor's own layout, and the comparisons that answer one
-bool (equal, allclose).
+"""Conversions: detach, copy_ into a tensor's own layout, the comparisons that answer one bool
+(equal, allclose), and their fronts, which add what needs more than a signature: moving a
+copy's source across meshes, and reading the bool.
 
-Their public forms are fronts in ``dtorch/fronts.py``, which add what needs the client: moving a
-copy's source across meshes, ``to`` a mesh or another tensor, and reading the bool. Casts
-(``to(dtype)``) are the ``to`` entry of ``ops/elementwise.py``.
+>>> import dtorch, torch
+>>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+>>> x = dtorch.ones(4, 3, device_mesh=mesh, placements=[dtorch.Shard(0)])
+>>> y = dtorch.zeros(4, 3, device_mesh=mesh)
+>>> dtorch.equal(y.copy_(x), x), dtorch.allclose(x, y)
+(True, True)
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate, Shard
-from .registry import INPLACE, VIEW, OpDef, register
+from ..tensor import Tensor
+from .creation import PY_DTYPES, check_dtype
+from .elementwise import cast_rule
+from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import Placed, expand, pointwise_rows
 
 R = Replicate()
@@ -56,9 +64,25 @@ def _copy(ctx, input, src, non_blocking=False):
     return input.copy_(ctx.partition(src), non_blocking=non_blocking)
 
 
+def check_tensor(name: str, value, param: str = "other") -> None:
+    """torch's TypeError for a non-tensor where a function takes a tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}(): argument '{param}' must be Tensor, not {type(value).__name__}")
+
+
+def copy_(input: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
+    """Copies ``src`` (broadcast and cast as torch does) into ``input``, which keeps its layout.
+    ``src`` is redistributed to ``input``'s layout first, from any placements or mesh: loading a
+    state_dict needs no manual sharding."""
+    check_tensor("copy_", src, "src")
+    if src.device_mesh != input.device_mesh:
+        src = src.redistribute(input.device_mesh, source_placements(input._spec, src._spec))
+    return issue("copy_", (input, src), (non_blocking,))
+
+
 register(OpDef("copy_", "copy_(input: Tensor, src: Tensor, non_blocking=False)", _copy,
                copy_rule, meta=torch.Tensor.copy_, function=False, flags=INPLACE,
-               uses_context=True))
+               uses_context=True, methods=("copy_",), front=copy_))
 
 
 # -- equal, allclose ------------------------------------------------------------------------------
@@ -92,9 +116,116 @@ def _answer_meta(input, other, **tolerances):
     return torch.empty((), dtype=torch.int64, device="meta")
 
 
-# the fronts compare shapes first (torch.equal is False for different shapes, not an error)
+def equal(input: Tensor, other: Tensor) -> bool:
+    """True when both have the same shape and elements, as ``torch.equal``. It reads the
+    answer, so it waits for the tensors' values (a sync point)."""
+    check_tensor("equal", other)
+    if tuple(input.shape) != tuple(other.shape):  # False, not an error, as torch
+        return False
+    return bool(issue("equal", (input, other), ()).item())
+
+
+def allclose(input: Tensor, other: Tensor, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    """``torch.allclose`` (``other`` broadcasts). It reads the answer: a sync point."""
+    check_tensor("allclose", other)
+    return bool(issue("allclose", (input, other), (rtol, atol, equal_nan)).item())
+
+
 register(OpDef("equal", "equal(input: Tensor, other: Tensor)", _equal, agree_rule,
-               meta=_answer_meta, function=False))
+               meta=_answer_meta, methods=("equal",), front=equal))
 register(OpDef("allclose",
                "allclose(input: Tensor, other: Tensor, rtol=1e-05, atol=1e-08, equal_nan=False)",
-               _allclose, agree_rule, meta=_answer_meta, function=False))
+               _allclose, agree_rule, meta=_answer_meta, methods=("allclose",), front=allclose))
+
+
+# -- to -------------------------------------------------------------------------------------------
+
+
+def _on_mesh(x: Tensor, mesh) -> Tensor:
+    """``x`` on ``mesh`` with its placements (the meshes must have as many dims)."""
+    if mesh == x.device_mesh:
+        return x
+    if len(mesh.shape) != len(x.device_mesh.shape):
+        raise ValueError(
+            f"dtorch.to: a {len(x.device_mesh.shape)}-D layout ({x.placements}) does not fit "
+            f"a {len(mesh.shape)}-D mesh; say which placements to take, e.g. "
+            f"x = x.redistribute(device_mesh=mesh, placements=[...])"
+        )
+    return x.redistribute(mesh, x.placements)
+
+
+def _check_device(x: Tensor, device) -> None:
+    if torch.device(device).type != x.device_mesh.device_type:
+        raise NotImplementedError(
+            f"dtorch.to: moving a tensor from {x.device_mesh.device_type} to {device} is not "
+            f"supported yet; use x.to(device_mesh) for a mesh of that device type"
+        )
+
+
+def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_blocking=False,
+       copy=False):
+    """``x.to(dtype)``, ``x.to(device_mesh)`` (same placements on another mesh with as many
+    dims), ``x.to(other)`` (``other``'s dtype and mesh, as torch takes its dtype and device), or
+    any mix (``x.to(mesh, torch.float16)``). ``device=`` may be a mesh too, as in DTorch; a
+    torch device of the mesh's own type changes nothing. Like torch, it returns ``x`` itself
+    when nothing changes (unless ``copy=True``).
+
+    >>> import dtorch, torch
+    >>> x = dtorch.arange(6, device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
+    >>> x.to(torch.float32).dtype, x.to("cpu") is x
+    (torch.float32, True)
+    """
+    flags = []
+    for a in args:
+        if isinstance(a, torch.dtype) or isinstance(a, type) and a in PY_DTYPES:
+            dtype = a
+        elif isinstance(a, DeviceMesh):
+            device_mesh = a
+        elif isinstance(a, Tensor):
+            dtype, device_mesh = a.dtype, a.device_mesh
+        elif isinstance(a, (str, torch.device)):
+            device = a
+        elif isinstance(a, bool):
+            flags.append(a)
+        else:
+            raise TypeError(f"to() received an invalid combination of arguments: {a!r}")
+    if flags:  # torch's positional (non_blocking, copy)
+        non_blocking, copy = (flags + [copy])[:2]
+    if isinstance(device, DeviceMesh):
+        device, device_mesh = None, device
+    check_dtype("to", dtype)  # (a Python type is one: the call sends the dtype torch reads)
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"to(): argument 'device_mesh' must be a dtorch.DeviceMesh, not "
+                        f"{type(device_mesh).__name__}")
+    if device is not None:
+        _check_device(input, device)
+    out = input
+    if dtype is not None:
+        out = issue("to", (out,), (dtype, non_blocking, copy))
+    if device_mesh is not None:
+        out = _on_mesh(out, device_mesh)
+    return out.clone() if copy and out is input else out
+
+
+# a cast to the input's own dtype returns the input itself, as in torch: flagged as a view
+register(OpDef("to", "to(input: Tensor, dtype, non_blocking=False, copy=False)", torch.Tensor.to,
+               cast_rule, methods=("to",), function=False, flags=VIEW, front=to))
+
+
+# -- composites -----------------------------------------------------------------------------------
+
+
+def type_as(input: Tensor, other: Tensor) -> Tensor:
+    """``input`` cast to ``other``'s dtype (its mesh stays: ``to(other)`` takes both)."""
+    check_tensor("type_as", other)
+    return input.to(other.dtype)
+
+
+def numel(input: Tensor) -> int:
+    """The number of elements (metadata: no wait)."""
+    return input.numel()
+
+
+register(OpDef("type_as", "type_as(input: Tensor, other: Tensor)", None, None,
+               methods=("type_as",), function=False, front=type_as))
+register(OpDef("numel", "numel(input: Tensor)", None, None, front=numel))

@@ -6,21 +6,36 @@ Host kernels build the block of the Replicate value that the device holds (``ctx
 value, the others hold the reduction's identity), so every factory works with every placement.
 Random factories draw the whole tensor from one seeded generator on each device and keep their
 block: values are torch's exactly, for a given seed or a given ``torch.Generator``.
+
+The public factories are the entries' fronts (end of the module): they take torch's arguments and
+DTorch's (``device=``, a string, ``torch.device`` or mesh; ``graph=``), and resolve the defaults
+of the graph (``device_mesh_guard``, ``dtype_guard``) before the call is keyed, so a changed
+default is an argument like any other.
+
+>>> import dtorch, torch
+>>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+>>> g = torch.Generator().manual_seed(0)
+>>> x = dtorch.rand((4, 3), generator=g, device_mesh=mesh, placements=[dtorch.Shard(0)])
+>>> torch.equal(x.to_torch(), torch.rand((4, 3), generator=torch.Generator().manual_seed(0)))
+True
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import random
 
 import torch
 
-from ..placement import check_partials, is_int, normalize_placements
-from .registry import OpDef, register
+from ..mesh import DeviceMesh
+from ..placement import as_int, check_partials, is_int, normalize_placements
+from ..tensor import Tensor
+from .registry import OpDef, issue, lookup, register
 from .rules import Placed
 
-# Static args the client consumes itself (the mesh and placements are in the output spec).
-CLIENT_ONLY = ("device_mesh", "placements")
+# the layout args of an entry (the mesh and placements travel in the output spec, not as static
+# args: protocol.CLIENT_ONLY); the fronts take DTorch's ``device=`` and ``graph=`` too
 LAYOUT = "dtype=None, device_mesh=None, placements=None"
 
 
@@ -186,35 +201,325 @@ PROBES = {
 }
 
 
-# their fronts (factories.py) also take the size as ``size=``, as torch's do
+# -- fronts: the public factories -----------------------------------------------------------------
+
+_seeds = random.Random(0)
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds dtorch's default generator (used by random factories given no ``generator``)."""
+    _seeds.seed(seed)
+
+
+def fresh_seed() -> int:
+    """A seed operand from dtorch's default generator (random factories, dropout)."""
+    return _seeds.getrandbits(63)
+
+
+def _graph(graph):
+    """``graph``, or the graph calls issue on now (the innermost ``with graph:``, else the
+    thread's default). Fronts run on the client only, which owns graphs: imported here so that
+    the hosts, which import this module, never load it."""
+    if graph is not None:
+        return graph
+    from ..client.graph import current_graph
+
+    return current_graph()
+
+
+def layout(name: str, dtype, device, device_mesh, graph, floating: bool = True) -> tuple:
+    """(dtype, mesh) of a factory call: ``device`` (a mesh, or anything ``DeviceMesh(...)``
+    takes: ``"cpu"``, ``torch.device("cuda:1")``) or ``device_mesh``, else the graph's default
+    mesh; the graph's default dtype where torch would take its default float dtype
+    (``floating``). Resolved before dispatch, so they are part of the call's key."""
+    if device is not None:
+        if device_mesh is not None:
+            raise ValueError(f"dtorch.{name}: give device or device_mesh, not both")
+        device_mesh = device if isinstance(device, DeviceMesh) else DeviceMesh(device)
+    elif device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"dtorch.{name}: device_mesh must be a dtorch.DeviceMesh, got "
+                        f"{device_mesh!r} (a device such as 'cpu:1' goes in device=)")
+    if device_mesh is None or dtype is None and floating:
+        g = _graph(graph)
+        device_mesh = g.default_device_mesh if device_mesh is None else device_mesh
+        if dtype is None and floating and g.default_dtype is not torch.float32:
+            dtype = g.default_dtype
+    return dtype, device_mesh
+
+
+def on_graph(graph, name: str, operands: tuple, static: tuple):
+    """Issues the entry ``name``, on ``graph``'s streams when one is given."""
+    if graph is None:
+        return issue(name, operands, static)
+    with graph:
+        return issue(name, operands, static)
+
+
+def _constant(name: str):
+    def factory(*sizes, size=None, dtype=None, device=None, device_mesh=None, placements=None,
+                graph=None):
+        shape = check_size(name, sizes, size, dtype)
+        dtype, mesh = layout(name, dtype, device, device_mesh, graph)
+        return on_graph(graph, name, (), (shape, dtype, mesh, placements))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"``torch.{name}``: each device makes its block; ``size=`` works too."
+    return factory
+
+
+def full(size, fill_value, *, dtype=None, device=None, device_mesh=None, placements=None,
+         graph=None):
+    """``torch.full``: the dtype of ``fill_value`` unless given (a float: the default dtype)."""
+    floating = isinstance(fill_value, float)
+    dtype, mesh = layout("full", dtype, device, device_mesh, graph, floating)
+    return on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+
+
+def _seed(name, generator, draw, size, dtype, **kw):
+    """The seed operand: a fresh 63-bit seed, or the user's generator state, which is advanced
+    here exactly as torch would (by drawing the same tensor), so later draws match torch too.
+    (Fronts check the layout first: a call that fails must leave the generator as it was.)"""
+    if generator is None:
+        return fresh_seed()
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name}(): argument 'generator' must be torch.Generator, not "
+                        f"{type(generator).__name__}")
+    state = bytes(generator.get_state().numpy())
+    draw(size, generator=generator, dtype=dtype, **kw)
+    return state
+
+
+def _random(name: str, draw):
+    def factory(*size, generator=None, dtype=None, device=None, device_mesh=None,
+                placements=None, graph=None):
+        size = check_size(name, size, dtype=dtype)
+        dtype, mesh = layout(name, dtype, device, device_mesh, graph)
+        normalize_placements(placements, mesh.ndim, len(size))  # before the draw
+        seed = _seed(name, generator, draw, size, dtype)
+        return on_graph(graph, name, (seed,), (size, dtype, mesh, placements))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = (f"``torch.{name}``; equal to torch's values for the same "
+                       f"``torch.Generator``.")
+    return factory
+
+
+def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, device=None,
+            device_mesh=None, placements=None, graph=None):
+    """``randint(high, size)``, ``randint(high, size=size)`` or ``randint(low, high, size)``,
+    as torch."""
+    if size is None:
+        low, high, size = 0, low, high
+    elif high is None:
+        low, high = 0, low
+    low = as_int(low, "randint(): argument 'low'")
+    high = as_int(high, "randint(): argument 'high'")
+    size = check_size("randint", (), size, dtype)
+    dtype, mesh = layout("randint", dtype, device, device_mesh, graph, floating=False)
+    normalize_placements(placements, mesh.ndim, len(size))
+    seed = _seed("randint", generator, lambda sz, **kw: torch.randint(low, high, sz, **kw), size,
+                 dtype)
+    return on_graph(graph, "randint", (seed,), (low, high, size, dtype, mesh, placements))
+
+
+def randperm(n, *, generator=None, dtype=torch.int64, device=None, device_mesh=None,
+             placements=None, graph=None):
+    """A random permutation of ``range(n)``, as ``torch.randperm``; equal to torch's for the
+    same generator."""
+    n = as_int(n, "randperm(): argument 'n' (position 1)")
+    check_dtype("randperm", dtype)
+    dtype, mesh = layout("randperm", dtype, device, device_mesh, graph, floating=False)
+    normalize_placements(placements, mesh.ndim, 1)
+    seed = _seed("randperm", generator, torch.randperm, n, dtype)
+    return on_graph(graph, "randperm", (seed,), (n, dtype, mesh, placements))
+
+
+def arange(start, end=None, step=1, *, dtype=None, device=None, device_mesh=None,
+           placements=None, graph=None):
+    """``arange(end)`` or ``arange(start, end, step)``, as torch (int64 for ints; a float bound
+    or step: the default dtype). ``step=None`` is 1, as in DTorch."""
+    if end is None:
+        if step not in (1, None):
+            raise ValueError("arange: end is None, but step has a value; give start and end")
+        start, end = 0, start
+    step = 1 if step is None else step
+    floating = any(isinstance(v, float) for v in (start, end, step))
+    dtype, mesh = layout("arange", dtype, device, device_mesh, graph, floating)
+    return on_graph(graph, "arange", (), (start, end, step, dtype, mesh, placements))
+
+
+def _spaced_front(name: str, signature_defaults: dict):
+    def factory(start, end, steps, *args, dtype=None, device=None, device_mesh=None,
+                placements=None, graph=None, **kw):
+        given = dict(zip(signature_defaults, args), **kw)
+        extra = tuple(given.get(k, v) for k, v in signature_defaults.items())
+        dtype, mesh = layout(name, dtype, device, device_mesh, graph)
+        return on_graph(graph, name, (), (start, end, steps, *extra, dtype, mesh, placements))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"``torch.{name}``: the whole range on each device, which keeps its block."
+    return factory
+
+
+def eye(n, m=None, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None):
+    """``torch.eye``: each device makes its block of the identity."""
+    dtype, mesh = layout("eye", dtype, device, device_mesh, graph)
+    return on_graph(graph, "eye", (), (n, m, dtype, mesh, placements))
+
+
+def from_torch(tensor: torch.Tensor, device_mesh=None, placements=None, *, device=None,
+               graph=None):
+    """A distributed tensor whose logical value is ``tensor`` (each device keeps its block;
+    on a Partial mesh dim device 0 holds the value and the others the reduction's identity).
+
+    >>> import dtorch, torch
+    >>> t = torch.arange(6.).reshape(2, 3)
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> torch.equal(dtorch.from_torch(t, mesh, [dtorch.Partial()]).to_torch(), t)
+    True
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"from_torch expects a torch.Tensor, got {type(tensor).__name__}")
+    _, mesh = layout("from_torch", tensor.dtype, device, device_mesh, graph, floating=False)
+    data = tensor.detach().to("cpu").contiguous()
+    raw = data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    return on_graph(graph, "from_data", (raw,),
+                    (tuple(data.shape), data.dtype, mesh, placements))
+
+
+def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None):
+    """A tensor whose value is ``data``: a torch tensor, a NumPy array, nested lists or
+    numbers (``torch.tensor``'s rules, in the graph's default dtype for floats), or a dtorch
+    tensor (then an alias of its blocks, moved to ``device_mesh``/``placements`` when given)."""
+    if isinstance(data, Tensor):
+        out = data.detach()
+        if dtype is not None:
+            out = out.to(dtype)
+        if device is not None or device_mesh is not None:
+            _, mesh = layout("tensor", None, device, device_mesh, graph, floating=False)
+            return out.redistribute(mesh, placements)
+        return out if placements is None else out.redistribute(placements=placements)
+    if not isinstance(data, torch.Tensor):
+        if dtype is None:
+            data = torch.tensor(data)
+            if data.dtype == torch.float32:  # torch's default float dtype: the graph's instead
+                dtype, _ = layout("tensor", None, device, device_mesh, graph)
+        data = torch.as_tensor(data, dtype=dtype)
+    elif dtype is not None:
+        data = data.to(dtype)
+    return from_torch(data, device_mesh, placements, device=device, graph=graph)
+
+
+def from_numpy(array):
+    """``dtorch.Tensor(torch.from_numpy(array))``: a Replicate tensor on the default mesh."""
+    return from_torch(torch.from_numpy(array))
+
+
+def _like(name, input, dtype, device, device_mesh, placements):
+    """A ``*_like`` factory's (size, dtype, mesh, placements): the input's, unless given (a
+    new mesh drops the input's placements)."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}(): argument 'input' must be Tensor, not "
+                        f"{type(input).__name__}")
+    spec = input._spec
+    moved = device is not None or device_mesh is not None
+    mesh = spec.mesh if not moved else layout(name, None, device, device_mesh, None, False)[1]
+    return (tuple(spec.shape), input.dtype if dtype is None else dtype, mesh,
+            spec.placements if placements is None and not moved else placements)
+
+
+def _constant_like(name: str):
+    def factory(input, *, dtype=None, device=None, device_mesh=None, placements=None,
+                graph=None):
+        base = name[:-len("_like")]
+        return on_graph(graph, base, (), _like(name, input, dtype, device, device_mesh,
+                                               placements))
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"``torch.{name}``: the input's size, dtype and layout unless given."
+    return factory
+
+
+def full_like(input, fill_value, *, dtype=None, device=None, device_mesh=None, placements=None,
+              graph=None):
+    size, dtype, mesh, placements = _like("full_like", input, dtype, device, device_mesh,
+                                          placements)
+    return on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+
+
+def _random_like(name: str):
+    def factory(input, *, generator=None, dtype=None, device=None, device_mesh=None,
+                placements=None, graph=None):
+        size, dtype, mesh, placements = _like(name, input, dtype, device, device_mesh,
+                                              placements)
+        return lookup(name[:-len("_like")]).front(size, generator=generator, dtype=dtype,
+                                                  device_mesh=mesh, placements=placements,
+                                                  graph=graph)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"``torch.{name}``: the input's size, dtype and layout unless given."
+    return factory
+
+
+def randint_like(input, low=0, high=None, *, generator=None, dtype=None, device=None,
+                 device_mesh=None, placements=None, graph=None):
+    """``randint_like(input, high)`` or ``randint_like(input, low, high)``, as torch (the
+    input's dtype unless ``dtype=``)."""
+    if high is None:
+        low, high = 0, low
+    size, dtype, mesh, placements = _like("randint_like", input, dtype, device, device_mesh,
+                                          placements)
+    return randint(low, high, size, generator=generator, dtype=dtype, device_mesh=mesh,
+                   placements=placements, graph=graph)
+
+
+# -- the entries ----------------------------------------------------------------------------------
+# their fronts (above) also take the size as ``size=``, as torch's do
 for _name in ("zeros", "ones", "empty"):
     register(OpDef(_name, f"{_name}(*size, {LAYOUT})", factory(getattr(torch, _name)),
                    creation_rule, meta=_meta_like(getattr(torch, _name)), uses_context=True,
-                   function=False))
+                   front=_constant(_name)))
 register(OpDef("full", f"full(size, fill_value, *, {LAYOUT})", _full_kernel, creation_rule,
                meta=checked(PROBES["full"], lambda size, fill_value, dtype: torch.full(
                    size, fill_value, dtype=dtype, device="meta")),
-               uses_context=True))
+               uses_context=True, front=full))
 # (the meta kernels of rand and randn refuse an integer dtype even for no elements, where torch
 # draws nothing and checks nothing: the probe makes the checks, the meta gives the shape)
 for _name in ("rand", "randn"):
     register(OpDef(_name, f"{_name}(seed: Tensor, *size, {LAYOUT})",
                    random_kernel(getattr(torch, _name)), creation_rule,
                    meta=checked(PROBES[_name], _meta_like(torch.empty)),
-                   uses_context=True, function=False))
+                   uses_context=True, front=_random(_name, getattr(torch, _name))))
 register(OpDef("randint", f"randint(seed: Tensor, low, high, size, *, {LAYOUT})",
                random_kernel(torch.randint), creation_rule,
                meta=checked(PROBES["randint"], lambda seed, low, high, size, dtype: torch.randint(
                    low, high, size, dtype=dtype, device="meta")),
-               uses_context=True, function=False))
+               uses_context=True, front=randint))
 register(OpDef("arange", f"arange(start, end, step, *, {LAYOUT})", _arange, creation_rule,
                meta=checked(PROBES["arange"], lambda start, end, step, dtype: torch.arange(
                    start, end, step, dtype=dtype, device="meta")),
-               uses_context=True, function=False))
+               uses_context=True, front=arange))
 register(OpDef("from_data", f"from_data(data: Tensor, size, *, {LAYOUT})", _from_data,
                creation_rule,
                meta=lambda data, size, dtype: torch.empty(size, dtype=dtype, device="meta"),
                uses_context=True, function=False))
+# composites: fronts made of the entries above
+_FRONT_LAYOUT = "dtype=None, device=None, device_mesh=None, placements=None, graph=None"
+register(OpDef("from_torch", "from_torch(tensor, device_mesh=None, placements=None, *, "
+                             "device=None, graph=None)", None, None, front=from_torch))
+register(OpDef("tensor", f"tensor(data, *, {_FRONT_LAYOUT})", None, None, front=tensor))
+register(OpDef("from_numpy", "from_numpy(array)", None, None, front=from_numpy))
+for _name in ("zeros_like", "ones_like", "empty_like"):
+    register(OpDef(_name, f"{_name}(input: Tensor, *, {_FRONT_LAYOUT})", None, None,
+                   front=_constant_like(_name)))
+register(OpDef("full_like", f"full_like(input: Tensor, fill_value, *, {_FRONT_LAYOUT})", None,
+               None, front=full_like))
+for _name in ("rand_like", "randn_like"):
+    register(OpDef(_name, f"{_name}(input: Tensor, *, generator=None, {_FRONT_LAYOUT})", None,
+                   None, front=_random_like(_name)))
+register(OpDef("randint_like", f"randint_like(input: Tensor, low=0, high=None, *, "
+                               f"generator=None, {_FRONT_LAYOUT})", None, None,
+               front=randint_like))
 
 
 # -- identity and spaced values -------------------------------------------------------------------
@@ -241,20 +546,20 @@ def _spaced(fn):
 register(OpDef("eye", f"eye(n, m=None, *, {LAYOUT})", _eye, creation_rule,
                meta=lambda n, m=None, dtype=None: torch.eye(n, n if m is None else m,
                                                             dtype=dtype, device="meta"),
-               uses_context=True))
+               uses_context=True, front=eye))
 register(OpDef("linspace", f"linspace(start, end, steps, *, {LAYOUT})", _spaced(torch.linspace),
                creation_rule,
                meta=checked(PROBES["linspace"], lambda start, end, steps, dtype: torch.linspace(
                    start, end, steps, dtype=dtype, device="meta")),
-               uses_context=True))
+               uses_context=True, front=_spaced_front("linspace", {})))
 register(OpDef("logspace", f"logspace(start, end, steps, base=10.0, *, {LAYOUT})",
                _spaced(torch.logspace), creation_rule,
                meta=checked(PROBES["logspace"],
                             lambda start, end, steps, base, dtype: torch.logspace(
                                 start, end, steps, base, dtype=dtype, device="meta")),
-               uses_context=True))
+               uses_context=True, front=_spaced_front("logspace", {"base": 10.0})))
 register(OpDef("randperm", f"randperm(seed: Tensor, n, *, {LAYOUT})",
                random_kernel(torch.randperm), creation_rule,
                meta=checked(PROBES["randperm"], lambda seed, n, dtype: torch.randperm(
                    n, dtype=dtype, device="meta")),
-               uses_context=True, function=False))
+               uses_context=True, front=randperm))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from .meta import probed
-from .registry import INPLACE, VIEW, OpDef, register
-from ..placement import Partial
+from .registry import INPLACE, VIEW, OpDef, issue, register
+from ..placement import Partial, Shard
 from .rules import (
     ALL_PARTIALS,
     LINEAR_PARTIALS,
@@ -157,8 +157,10 @@ BINARY = [
     ("bitwise_xor", "", torch.bitwise_xor, NONLINEAR, ("bitwise_xor", "__xor__", "__rxor__"),
      ("bitwise_xor_", "__ixor__")),
 ]
-COMPARISONS = {"eq": "__eq__", "ne": "__ne__", "lt": "__lt__", "le": "__le__", "gt": "__gt__",
-               "ge": "__ge__"}
+# (operator, torch's other name: a function and a method, as DTorch's greater ... less_equal)
+COMPARISONS = {"eq": ("__eq__", ()), "ne": ("__ne__", ("not_equal",)),
+               "lt": ("__lt__", ("less",)), "le": ("__le__", ("less_equal",)),
+               "gt": ("__gt__", ("greater",)), "ge": ("__ge__", ("greater_equal",))}
 
 for name, tail, kernel, rule, methods, inplace in BINARY:
     register(OpDef(name, f"{name}(input: Tensor, other: Tensor{tail})", kernel, rule,
@@ -168,9 +170,9 @@ for name, tail, kernel, rule, methods, inplace in BINARY:
         register(OpDef(inplace[0], f"{inplace[0]}(input: Tensor, other: Tensor{tail})",
                        getattr(T, inplace[0]), rule, meta=probed(getattr(T, inplace[0])),
                        methods=inplace, function=False, flags=INPLACE))
-for name, dunder in COMPARISONS.items():
+for name, (dunder, aliases) in COMPARISONS.items():
     register(OpDef(name, f"{name}(input: Tensor, other: Tensor)", getattr(torch, name), NONLINEAR,
-                   meta=probed(getattr(torch, name)), methods=(name, dunder)))
+                   meta=probed(getattr(torch, name)), methods=(name, dunder), aliases=aliases))
 
 # -- selection and fused ops -----------------------------------------------------------------------
 # Shards follow the broadcast output as for binary ops (a Replicate operand is chunked locally).
@@ -242,16 +244,74 @@ register(OpDef("where_method", "where_method(input: Tensor, condition: Tensor, o
                T.where, joint_linear((0, 2)), meta=probed(T.where), methods=("where",),
                function=False))
 
+# -- rotary embedding (DTorch's ``_apply_rotary_emb``, diffusers' ``apply_rotary_emb``) ----------
+# x * cos + rotate(x) * sin, computed in float32 and cast back to x's dtype. A rotation mixes
+# the pairs (2i, 2i + 1) of the last dim (``use_real_unbind_dim=-1``) or its two halves (-2), so
+# the last dim must be whole; every other dim shards as in a broadcasting op (cos and sin, of
+# shape (sequence, dim) for x (batch, heads, sequence, dim), shard along with x's sequence, a
+# Replicate one chunked locally: DTorch's automatic R -> S of the freqs). Linear in x for fixed
+# freqs: a Partial x with Replicate freqs stays Partial, in float32 only (other dtypes round
+# each contribution in the casts).
+
+
+def _apply_rotary(x, cos, sin, use_real=True, use_real_unbind_dim=-1):
+    if not use_real:
+        raise NotImplementedError("_apply_rotary_emb: use_real=False (complex freqs) is not "
+                                  "supported; pass freqs_cis=[cos, sin] with use_real=True")
+    cos, sin = cos[None, None], sin[None, None]
+    half = x.shape[-1] // 2  # (not -1: a device's block may be empty)
+    if use_real_unbind_dim == -1:  # flux, cogvideox, hunyuan-dit
+        real, imag = x.reshape(*x.shape[:-1], half, 2).unbind(-1)
+        rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    elif use_real_unbind_dim == -2:  # stable audio
+        real, imag = x.reshape(*x.shape[:-1], 2, half).unbind(-2)
+        rotated = torch.cat([-imag, real], dim=-1)
+    else:
+        raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rotary_rule(call):
+    last = Shard(len(call.outs[0][0]) - 1)
+    linear = (0,) if all(s.dtype == "float32" for s in call.tensors) else ()
+    rows = [row for row in pointwise_rows(call, linear=linear) if row[0][0] != last]
+    return expand(call, rows, auto_chunk=True)
+
+
+def _apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+    """DTorch's rotary embedding, diffusers' ``apply_rotary_emb``: ``freqs_cis`` is
+    ``[cos, sin]`` (exactly two, else ValueError), each (sequence, dim) for ``x`` of shape
+    (batch, heads, sequence, dim); ``use_real_unbind_dim`` -1 rotates pairs, -2 halves.
+
+    >>> import dtorch, torch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones((1, 2, 4, 6), device_mesh=mesh, placements=[dtorch.Shard(2)])
+    >>> cos, sin = dtorch.ones((4, 6), device_mesh=mesh), dtorch.zeros((4, 6), device_mesh=mesh)
+    >>> y = dtorch.nn.functional._apply_rotary_emb(x, [cos, sin])   # cos, sin chunked to S(0)
+    >>> y.placements, torch.equal(y.to_torch(), torch.ones(1, 2, 4, 6))
+    ([Shard(dim=2)], True)
+    """
+    freqs = list(freqs_cis) if isinstance(freqs_cis, (list, tuple)) else [freqs_cis]
+    if len(freqs) != 2:
+        raise ValueError("Size of freqsCis must be two")
+    return issue("_apply_rotary_emb", (x, *freqs), (use_real, use_real_unbind_dim))
+
+
+register(OpDef("_apply_rotary_emb", "_apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, "
+               "use_real=True, use_real_unbind_dim=-1)", _apply_rotary, rotary_rule,
+               front=_apply_rotary_emb, function=False, functional=True))
+
 # -- casts ----------------------------------------------------------------------------------------
 # A Partial sum passes a cast only where every contribution converts exactly (``exact_cast``:
 # float16 -> float32, float32 -> float64, int16 -> float32, ...): a narrowing cast would round each
 # contribution before the sum (float32 -> bfloat16 then misses torch's value by percents where
 # they cancel); a cast to an integer or bool type truncates; a bool sum saturates.
 CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
-         "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
+         "bfloat16": torch.bfloat16, "long": torch.int64, "int": torch.int32, "short": torch.int16,
+         "char": torch.int8, "byte": torch.uint8, "bool": torch.bool}
 
 
-def _cast_rule(call):
+def cast_rule(call):
     src, dst = getattr(torch, call.tensors[0].dtype), call.outs[0][1]
     linear = (0,) if exact_cast(src, dst) and (dst.is_floating_point or dst.is_complex) else ()
     return expand(call, pointwise_rows(call, linear=linear))
@@ -259,7 +319,56 @@ def _cast_rule(call):
 
 # a cast to the input's own dtype returns the input itself, as in torch: flagged as a view
 for name in CASTS:
-    register(OpDef(name, f"{name}(input: Tensor)", getattr(T, name), _cast_rule, methods=(name,),
+    register(OpDef(name, f"{name}(input: Tensor)", getattr(T, name), cast_rule, methods=(name,),
                    function=False, flags=VIEW))
-register(OpDef("to", "to(input: Tensor, dtype, non_blocking=False, copy=False)", T.to, _cast_rule,
-               methods=("to",), function=False, flags=VIEW))
+# (``to`` is the cast with a front that also moves: ops/conversion.py)
+
+
+# -- cpu, cuda: the device type is the mesh's ------------------------------------------------------
+# A tensor lives on a mesh of one device type; moving it to another type is a redistribute onto
+# a mesh of that type, which is not there yet. So, as torch returns a tensor already on the
+# device itself, these return the input on a mesh of their type and raise otherwise.
+
+
+def _device_type_error(input, method: str, target: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"dtorch.Tensor.{method}(): this tensor lives on a {input.device_mesh.device_type} mesh, "
+        f"and moving a tensor between device types is not supported yet (it will be "
+        f"x.redistribute(device_mesh=<a {target} DeviceMesh>, placements=x.placements)); build "
+        f"it on a {target} mesh (dtorch.DeviceMesh({target!r}, ids)), or read its value with "
+        f"x.to_torch(), a CPU torch.Tensor")
+
+
+def cpu(input, memory_format=torch.preserve_format):
+    """``x.cpu()``: ``x`` itself on a CPU mesh (torch returns a CPU tensor itself); on a CUDA
+    mesh, NotImplementedError (read the value with ``x.to_torch()``).
+
+    >>> import dtorch
+    >>> x = dtorch.ones(3, device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
+    >>> x.cpu() is x
+    True
+    """
+    if input.device_mesh.device_type != "cpu":
+        raise _device_type_error(input, "cpu", "cpu")
+    return input
+
+
+def cuda(input, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    """``x.cuda()``: ``x`` itself on a CUDA mesh (``device`` may name the mesh's one device);
+    on a CPU mesh, NotImplementedError (build the tensor on a CUDA mesh)."""
+    mesh = input.device_mesh
+    if mesh.device_type != "cuda":
+        raise _device_type_error(input, "cuda", "cuda")
+    if device is not None:
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is not None and tuple(mesh.devices) != (index,):
+            raise NotImplementedError(
+                f"dtorch.Tensor.cuda({device!r}): the tensor lives on the mesh {mesh}; move it "
+                f"with x.redistribute(device_mesh=dtorch.DeviceMesh('cuda', [{index}]), "
+                f"placements=...)")
+    return input
+
+
+for _fn in (cpu, cuda):
+    register(OpDef(_fn.__name__, f"{_fn.__name__}(input: Tensor)", None, None, front=_fn,
+                   methods=(_fn.__name__,), function=False))

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import Partial, Replicate, Shard
-from .registry import OpDef, register
+from ..type import ULYSSES_CP, OperatorFormat, PaddingType, PoolingKind, SdpaOption
+from .activation import channels_last, either
+from .registry import OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand, placement_error
 
 R = Replicate()
@@ -70,8 +72,9 @@ def _one_hot_meta(input, num_classes=-1):
     return F.one_hot(input, num_classes)
 
 
+# dtorch.embedding is DTorch's, the nn.functional order (torch.embedding takes the weight first)
 register(OpDef("embedding", "embedding(input: Tensor, weight: Tensor, padding_idx=None)",
-               F.embedding, embedding_rule, functional=True, function=False))
+               F.embedding, embedding_rule, functional=True))
 register(OpDef("one_hot", "one_hot(input: Tensor, num_classes=-1)", F.one_hot,
                batch_rule(dims=range(8)), meta=_one_hot_meta, functional=True,
                function=False))
@@ -81,12 +84,148 @@ register(OpDef("one_hot", "one_hot(input: Tensor, num_classes=-1)", F.one_hot,
 
 CONV = "input: Tensor, weight: Tensor, bias: Tensor = None, stride=1, padding=0, dilation=1, " \
        "groups=1"
-for _name in ("conv1d", "conv2d"):
-    register(OpDef(_name, f"{_name}({CONV})", getattr(F, _name), batch_rule(), functional=True))
+
+
+def conv_rule(call) -> Placed:
+    """The batch, when there is one (an unbatched image has its channels first, which the
+    weight spans); and, as DTorch, an image dim whose windows tile it (no padding, no dilation,
+    kernel == stride there) when each device's block is a whole number of windows, the same
+    number on every device: each block convolves alone, into the result's ``array_split``
+    block (a kernel of 1 always; else the size divides by kernel x shards)."""
+    x, w = call.tensors[:2]
+    spatial, st = len(w.shape) - 2, call.static
+    weights = (R,) * (len(call.tensors) - 1)
+    rows = [((Shard(0),), (Shard(0),) + weights)] if len(x.shape) == spatial + 2 else []
+    pads = st["padding"]
+    if pads in (0, "valid") or not isinstance(pads, (int, str)) and not any(pads):
+        dilation, stride = _each(st["dilation"], spatial), _each(st["stride"], spatial)
+        for j, k, s, d in zip(range(len(x.shape) - spatial, len(x.shape)), w.shape[2:], stride,
+                              dilation):
+            n = math.prod(m for p, m in zip(x.placements, call.mesh.shape) if p == Shard(j))
+            if d == 1 and k == s and (k == 1 or x.shape[j] % (k * n) == 0):
+                rows.append(((Shard(j),), (Shard(j),) + weights))
+    return expand(call, rows)
+
+
+def _each(v, n: int) -> tuple:
+    return (v,) * n if isinstance(v, int) else tuple(v) * (n // len(v))
+
+
+register(OpDef("conv1d", f"conv1d({CONV})", F.conv1d, conv_rule, functional=True))
+
+
+# DTorch's argument forms beside torch's: a parameter under either name (``groups=``/``group=``,
+# ``either``), padding by type (``PaddingType``) or by amounts (DTorch's four,
+# ``(h_begin, w_begin, h_end, w_end)``), and channels-last images (``channels_last``), which the
+# fronts move to torch's layout and back.
+
+
+def to_nchw(x, nhwc: bool):
+    """Channels last to torch's channel dim (the third from the end: N, C, H, W or C, H, W)."""
+    return issue("movedim", (x,), (-1, -3)) if nhwc else x
+
+
+def from_nchw(x, nhwc: bool):
+    return issue("movedim", (x,), (-3, -1)) if nhwc else x
+
+
+def four_pads(padding) -> tuple:
+    """``(top, left, bottom, right)`` from torch's int or (h, w), or DTorch's four."""
+    p = (padding,) if isinstance(padding, int) else tuple(padding)
+    if len(p) == 1:
+        p = p * 2
+    if len(p) == 2:
+        p = p * 2
+    if len(p) != 4:
+        raise ValueError(f"padding must be an int, (h, w) or (h_begin, w_begin, h_end, w_end), "
+                         f"got {padding!r}")
+    return p
+
+
+def same_pads(size, kernel, stride, dilation) -> tuple:
+    """DTorch's (and TensorFlow's, ONNX's SAME_UPPER) ``same``: ``ceil(size / stride)`` outputs,
+    the padding they need split in two, the extra element after."""
+    pads = []
+    for n, k, s, d in zip(size, _each(kernel, 2), _each(stride, 2), _each(dilation, 2)):
+        need = max(0, (-(-n // s) - 1) * s + (k - 1) * d + 1 - n)
+        pads.append((need // 2, need - need // 2))
+    (top, bottom), (left, right) = pads
+    return top, left, bottom, right
+
+
+def padded(x, pads, value=None):
+    """``x`` padded by ``(top, left, bottom, right)`` on its last two dims (``F.pad``'s order)."""
+    top, left, bottom, right = pads
+    return issue("pad", (x,), ((left, right, top, bottom), "constant", value)) if any(pads) else x
+
+
+def conv2d(input, weight, bias=None, stride=1, *args, padding=None, dilation=None, groups=None,
+           padding_type=None, group=None, format=None, is_nchw=None):
+    """``torch.nn.functional.conv2d`` and DTorch's ``conv2d(input, weight, bias=None, stride=1,
+    padding_type=PaddingType.not_set, padding=0, dilation=1, group=1,
+    format=OperatorFormat.nchw)``: a ``PaddingType`` after ``stride`` takes DTorch's order;
+    ``groups=`` or ``group=``; ``padding="same"``/``"valid"`` or ``padding_type=``
+    (``same`` with a stride: DTorch's ``ceil(size / stride)`` outputs); four paddings
+    ``(h_begin, w_begin, h_end, w_end)``; ``format=OperatorFormat.nhwc`` (or ``is_nchw=False``):
+    input and output channels last (the weight stays ``(out, in / groups, kh, kw)``).
+
+    >>> import dtorch
+    >>> from dtorch.type import OperatorFormat, PaddingType
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones((2, 5, 5, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
+    >>> w = dtorch.ones((4, 3, 3, 3), device_mesh=mesh)
+    >>> y = dtorch.conv2d(x, w, None, 1, PaddingType.same, format=OperatorFormat.nhwc)
+    >>> y.shape, y.placements
+    (torch.Size([2, 5, 5, 4]), [Shard(dim=0)])
+    """
+    kw = {"padding": padding, "dilation": dilation, "groups": groups,
+          "padding_type": padding_type, "group": group, "format": format}
+    names = CONV_DTORCH if args and isinstance(args[0], PaddingType) else CONV_TORCH
+    if len(args) > len(names):
+        raise TypeError(f"conv2d() takes at most {4 + len(names)} positional arguments")
+    for name, value in zip(names, args):
+        if kw[name] is not None:
+            raise TypeError(f"conv2d() got multiple values for argument '{name}'")
+        kw[name] = value
+    groups = either("conv2d", "groups", kw["groups"], "group", kw["group"], 1)
+    dilation = 1 if kw["dilation"] is None else kw["dilation"]
+    nhwc = channels_last("conv2d", kw["format"], is_nchw)
+    x = to_nchw(input, nhwc)
+    padding = padding_arg("conv2d", kw["padding_type"], kw["padding"])
+    if padding == "same" and _each(stride, 2) != (1, 1):  # torch refuses a strided "same"
+        x, padding = padded(x, same_pads(x.shape[-2:], weight.shape[-2:], stride, dilation)), 0
+    elif not isinstance(padding, (int, str)) and len(padding) == 4:
+        pads = four_pads(padding)
+        x, padding = (x, pads[:2]) if pads[:2] == pads[2:] else (padded(x, pads), 0)
+    return from_nchw(issue("conv2d", (x, weight, bias), (stride, padding, dilation, groups)), nhwc)
+
+
+CONV_TORCH = ("padding", "dilation", "groups")
+CONV_DTORCH = ("padding_type", "padding", "dilation", "group", "format")
+
+
+def padding_arg(op: str, padding_type, padding):
+    """torch's ``padding`` (amounts, ``"same"``, ``"valid"``) from it or DTorch's
+    ``padding_type``; a type other than ``not_set`` takes no amounts."""
+    kind = PaddingType.not_set if padding_type is None else PaddingType(padding_type)
+    if kind is PaddingType.not_set:
+        return 0 if padding is None else padding
+    if padding is not None and not isinstance(padding, str) and any(four_pads(padding)):
+        raise ValueError(f"{op}(): padding_type={kind} takes no explicit padding, got "
+                         f"padding={padding!r}")
+    if isinstance(padding, str) and padding != kind.value:
+        raise ValueError(f"{op}(): padding_type={kind} and padding={padding!r} disagree")
+    return kind.value
+
+
+register(OpDef("conv2d", f"conv2d({CONV})", F.conv2d, conv_rule, functional=True,
+               front=conv2d))
 
 # a channel is pooled and resized on its own, like a sample; averages and resizes are linear
 # (Partial sum/avg pass); a max of maxima is the max (Partial(max) passes a max pool)
 POOL_DIMS = (0, 1)
+
+
 def _max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
                 return_indices=False):
     return F.max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
@@ -114,6 +253,77 @@ POOLS = [
 for _name, _args, _fn, _rule in POOLS:
     register(OpDef(_name, f"{_name}(input: Tensor, {_args})", empty_safe(_fn), _rule, meta=_fn,
                    uses_context=True, functional=True, function=False))
+
+
+def _pooling2d(input, pooling_kind, dilation, kernel_size, stride, padding_type, padding,
+               ceil_mode, count_include_pad, format=OperatorFormat.nchw):
+    """DTorch's pooling: ``max_pool2d`` or ``avg_pool2d`` by ``pooling_kind``
+    (``PoolingKind.max``/``avg``), padding by type (``same``: ``ceil(size / stride)`` outputs,
+    ``valid``: none; both without ceil mode) or by amounts (int, (h, w), or
+    ``(h_begin, w_begin, h_end, w_end)``: uneven ones pad explicitly, with -inf for max, zeros
+    for avg, which then counts them), channels last with ``format=OperatorFormat.nhwc``.
+
+    >>> import dtorch
+    >>> from dtorch.type import PaddingType, PoolingKind
+    >>> x = dtorch.ones((1, 2, 5, 5), device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
+    >>> F = dtorch.nn.functional
+    >>> F._pooling2d(x, PoolingKind.max, 1, 2, 2, PaddingType.same, 0, False, True).shape
+    torch.Size([1, 2, 3, 3])
+    """
+    kind, nhwc = PoolingKind(pooling_kind), channels_last("_pooling2d", format)
+    x = to_nchw(input, nhwc)
+    padding = padding_arg("_pooling2d", padding_type, padding)
+    if padding in ("same", "valid"):
+        ceil_mode = False
+        pads = same_pads(x.shape[-2:], kernel_size, stride, dilation) if padding == "same" \
+            else (0, 0, 0, 0)
+    else:
+        pads = four_pads(padding)
+    even = pads[:2] == pads[2:]
+    if not even:  # torch pools with even paddings only: pad first
+        if kind is PoolingKind.avg and not count_include_pad:
+            raise NotImplementedError("_pooling2d: uneven padding of an avg pool with "
+                                      "count_include_pad=False is not supported")
+        low = -math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).min
+        x = padded(x, pads, low if kind is PoolingKind.max else None)
+    amounts = pads[:2] if even else 0
+    if kind is PoolingKind.max:
+        out = issue("max_pool2d", (x,), (kernel_size, stride, amounts, dilation, ceil_mode,
+                                         False))
+    elif _each(dilation, 2) != (1, 1):
+        raise NotImplementedError("_pooling2d: an avg pool has no dilation (as in torch)")
+    else:
+        out = issue("avg_pool2d", (x,), (kernel_size, stride, amounts, ceil_mode,
+                                         count_include_pad, None))
+    return from_nchw(out, nhwc)
+
+
+def _global_pooling2d(input, pooling_kind, format=OperatorFormat.nchw):
+    """DTorch's global pooling: the mean (``PoolingKind.avg``) or max of each channel's image,
+    kept as (N, C, 1, 1), or (N, 1, 1, C) with ``format=OperatorFormat.nhwc``. It is
+    ``input.mean((-2, -1), keepdim=True)`` (``amax``), so a sharded H or W reduces on its own
+    (values as ``adaptive_avg_pool2d(x, 1)`` up to rounding).
+
+    >>> import dtorch
+    >>> from dtorch.type import PoolingKind
+    >>> x = dtorch.ones((1, 2, 4, 4), device_mesh=dtorch.DeviceMesh("cpu", [0, 1]),
+    ...                 placements=[dtorch.Shard(2)])
+    >>> dtorch.nn.functional._global_pooling2d(x, PoolingKind.avg).to_torch().flatten().tolist()
+    [1.0, 1.0]
+    """
+    dims = (-3, -2) if channels_last("_global_pooling2d", format) else (-2, -1)
+    if PoolingKind(pooling_kind) is PoolingKind.max:
+        return issue("amax", (input,), (dims, True))
+    return issue("mean", (input,), (dims, True, None))
+
+
+# DTorch's pooling forms: fronts made of the pooling, padding and reduction entries
+register(OpDef("_pooling2d", "_pooling2d(input: Tensor, pooling_kind, dilation, kernel_size, "
+               "stride, padding_type, padding, ceil_mode, count_include_pad, format='nchw')",
+               None, None, front=_pooling2d, function=False, functional=True))
+register(OpDef("_global_pooling2d", "_global_pooling2d(input: Tensor, pooling_kind, "
+               "format='nchw')", None, None, front=_global_pooling2d, function=False,
+               functional=True))
 
 
 # -- losses ---------------------------------------------------------------------------------------
@@ -333,8 +543,56 @@ def _attention_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                                           scale=scale, enable_gqa=enable_gqa)
 
 
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, sdpa_option=None):
+    """``torch.nn.functional.scaled_dot_product_attention``, with DTorch's ``sdpa_option``
+    (``SdpaOption``: the mesh dims of context parallelism). Context parallelism is not there
+    yet: a query sharded along its sequence on such a mesh dim (of more than one device) raises
+    NotImplementedError; otherwise the call runs as torch's.
+
+    >>> import dtorch, torch
+    >>> from dtorch.nn.functional import SdpaOption
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=["dp"])
+    >>> q = dtorch.ones((2, 3, 4, 8), device_mesh=mesh, placements=[dtorch.Shard(1)])
+    >>> F = dtorch.nn.functional
+    >>> F.scaled_dot_product_attention(q, q, q, sdpa_option=SdpaOption()).placements
+    [Shard(dim=1)]
+    """
+    option = SdpaOption() if sdpa_option is None else sdpa_option
+    option.check_valid()
+    mesh, seq = query.device_mesh, len(query.shape) - 2
+    for dim in (option.ulysess_cp_dim, option.ring_cp_dim):
+        i = _cp_dim(mesh, dim)
+        if i is not None and mesh.shape[i] > 1 and query.placements[i] == Shard(seq):
+            fix = [R if k == i else p for k, p in enumerate(query.placements)]
+            raise NotImplementedError(
+                f"dtorch.scaled_dot_product_attention: the query is sharded along its sequence "
+                f"(Shard({seq})) on mesh dim {dim!r}, which sdpa_option names for context "
+                f"parallelism; context parallelism comes in a later version. Until then, make "
+                f"the sequence whole there, e.g. query = query.redistribute(placements={fix!r}) "
+                f"(and key, value alike)")
+    return issue("scaled_dot_product_attention", (query, key, value, attn_mask),
+                 (dropout_p, is_causal, scale, enable_gqa))
+
+
+def _cp_dim(mesh, dim):
+    """The mesh dim an SdpaOption field names (a name absent from the mesh: None)."""
+    if dim is None or isinstance(dim, int):
+        return None if dim is None or not -mesh.ndim <= dim < mesh.ndim else dim % mesh.ndim
+    names = list(mesh.dim_names or ())
+    spellings = (dim, ULYSSES_CP, "ulysses_cp") if dim in (ULYSSES_CP, "ulysses_cp") else (dim,)
+    return next((names.index(n) for n in spellings if n in names), None)
+
+
+# the option names mesh dims: a front (DTorch's raw op ``_scaled_dot_product_attention`` too)
 register(OpDef("scaled_dot_product_attention",
                "scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, "
                "attn_mask: Tensor = None, dropout_p=0.0, is_causal=False, *, scale=None, "
                "enable_gqa=False)", _attention, attention_rule, meta=_attention_meta,
-               uses_context=True, functional=True, function=False))
+               uses_context=True, functional=True, function=False,
+               front=scaled_dot_product_attention))
+register(OpDef("_scaled_dot_product_attention",
+               "_scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, "
+               "attn_mask: Tensor = None, dropout_p=0.0, is_causal=False, scale=None, "
+               "enable_gqa=False, sdpa_option=None)", None, None,
+               front=scaled_dot_product_attention, function=False, functional=True))

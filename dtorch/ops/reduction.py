@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from .registry import OpDef, register
+from .registry import OpDef, issue, register
 from .rules import Placed, exact_cast, placement_error
 
 LINEAR = ("sum", "avg")  # f(sum_i x_i) = sum_i f(x_i), and so for their average
@@ -261,32 +261,42 @@ for _name, _identity in (("amax", _lowest), ("amin", _highest)):
                    meta=checked(lambda input, dim=None, keepdim=False, _fn=_fn:
                                 _fn(input, () if dim is None else dim, keepdim))))
 
-for _name, _identity in (("max", _lowest), ("min", _highest)):
-    _fn, _returns = getattr(torch, _name), getattr(torch.return_types, _name)
-    register(OpDef(_name, f"{_name}(input: Tensor, dim=None, keepdim=False)",
-                   _with_indices(_fn, _extremum(getattr(torch, "a" + _name), _identity)),
-                   reduction_rule, methods=(_name,), meta=checked(_with_indices(_fn, _fn)),
-                   # with dim, torch's named tuple (.values, .indices)
-                   result=lambda r, _returns=_returns: _returns(r) if isinstance(r, tuple) else r))
 
+def extremum_front(name: str, elementwise: str):
+    """torch.max/min, which are also torch.maximum/minimum when a tensor comes in ``dim``'s
+    place (or as ``other=``): the front picks the form by the argument's type, as torch's
+    overloads do; a dim (int, sequence, None) is the reduction, with dim torch's named tuple
+    (.values, .indices).
 
-def with_elementwise(reduce, elementwise: str):
-    """torch.max/min are also torch.maximum/minimum when a tensor comes in ``dim``'s place (or
-    as ``other=``): the front picks the form by the argument's type, as torch's overloads do; a
-    dim (int, sequence, None) is the reduction ``reduce``."""
+    >>> import dtorch
+    >>> x = dtorch.arange(6, device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
+    >>> dtorch.max(x).item(), dtorch.min(x, 5 - x).tolist()
+    (5, [0, 1, 2, 2, 1, 0])
+    """
+    returns = getattr(torch.return_types, name)
 
     def front(input, dim=None, keepdim=False, *, other=None):
         if other is None and (dim is None or isinstance(dim, (int, tuple, list))):
-            return reduce(input, dim, keepdim)
+            out = issue(name, (input,), (dim, keepdim))
+            return returns(out) if isinstance(out, tuple) else out
         given = [a for a in (dim, other) if a is not None]
         if keepdim or len(given) != 1 or isinstance(given[0], (bool, int, float, complex)):
-            raise TypeError(f"{reduce.__name__}() received an invalid combination of arguments; "
-                            f"expected (input, dim=None, keepdim=False) or (input, other: Tensor)")
-        return getattr(input, elementwise)(given[0])
+            raise TypeError(f"{name}() received an invalid combination of arguments; expected "
+                            f"(input, dim=None, keepdim=False) or (input, other: Tensor)")
+        return issue(elementwise, (input, given[0]), ())
 
-    front.__name__ = front.__qualname__ = reduce.__name__
-    front.__doc__ = reduce.__doc__
+    front.__name__ = front.__qualname__ = name
+    front.__doc__ = f"``torch.{name}``: the reduction, or ``torch.{elementwise}`` given a tensor."
     return front
+
+
+for _name, _identity, _elementwise in (("max", _lowest, "maximum"),
+                                       ("min", _highest, "minimum")):
+    _fn = getattr(torch, _name)
+    register(OpDef(_name, f"{_name}(input: Tensor, dim=None, keepdim=False)",
+                   _with_indices(_fn, _extremum(getattr(torch, "a" + _name), _identity)),
+                   reduction_rule, methods=(_name,), meta=checked(_with_indices(_fn, _fn)),
+                   front=extremum_front(_name, _elementwise)))
 
 
 for _name in ("argmax", "argmin", "any", "all", "logsumexp", "cumsum", "cumprod"):

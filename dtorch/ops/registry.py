@@ -5,6 +5,13 @@ local shards), the metadata rule (by default: the kernel run once on meta tensor
 shapes, memoized by the client), and the placement rule (``ops/rules.py``). The client generates the
 public function and ``Tensor`` methods from the signature; the hosts look the kernel up by name.
 
+Where a signature is not enough (a random draw that advances the user's generator, ``to``'s
+many forms, an index), the entry carries its ``front``: the public function, written beside the
+entry, which calls ``issue(name, operands, static)``. An entry without a kernel is *composite*, as
+in torch's native functions: only a front, made of other entries (``zeros_like``, ``type_as``).
+Fronts are client code in the sense that only the client calls them; the hosts import these
+modules for the kernels and never reach a front, so a front may not be imported from ``client/``.
+
 A signature names tensor operands with ``: Tensor`` (a Python number may stand in their place and
 travels as a value) or ``: TensorList``; every other parameter is static: it is part of the rule
 cache key and is sent once per distinct call shape.
@@ -24,8 +31,8 @@ from ..protocol import COMM, IMPURE, INPLACE, VIEW  # noqa: F401
 class OpDef:
     name: str
     signature: str  # "add(input: Tensor, other: Tensor, *, alpha=1)"
-    kernel: Callable  # kernel(*local_operands, **static) -> Tensor | tuple
-    placement: Callable  # rule(call) -> Placed   (see ops/rules.py)
+    kernel: Callable | None  # kernel(*local_operands, **static) -> Tensor | tuple; None: composite
+    placement: Callable | None  # rule(call) -> Placed   (see ops/rules.py); None: composite
     meta: Callable | None = None  # like kernel, on meta tensors (default: the kernel itself)
     methods: tuple = ()  # Tensor method names ("add", "__add__")
     function: bool = True  # exported as dtorch.<name>
@@ -35,6 +42,8 @@ class OpDef:
     uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
     result: Callable | None = None  # wraps what a call returns (torch's named tuples)
     doc: str = ""
+    front: Callable | None = None  # the public function, where the signature is not enough
+    origin: str = "dtorch"  # the module that defined it (a user's, for dtorch.register_op)
     # filled from the signature
     params: list = field(default_factory=list)
     static_names: tuple = ()
@@ -86,6 +95,27 @@ def register(op: OpDef) -> OpDef:
         raise ValueError(f"operator {op.name!r} is already registered")
     REGISTRY[op.name] = op
     return op
+
+
+def issue(name: str, operands: tuple, static: tuple):
+    """Issues the entry ``name`` with these operands and static args (in signature order): how a
+    front calls its entry, or others. It goes through the client's dispatch, which the client
+    plugs in when it installs the fronts (``client/frontend.install``)."""
+    return _dispatch(lookup(name), operands, static)
+
+
+def _no_client(op, operands, static):
+    raise RuntimeError(f"dtorch.{op.name}: a front was called before the client installed "
+                       f"its dispatch (import dtorch first)")
+
+
+_dispatch = _no_client
+
+
+def plug_dispatch(dispatch: Callable) -> None:
+    """The client's ``dispatch(op, operands, static)``, for ``issue``."""
+    global _dispatch
+    _dispatch = dispatch
 
 
 def lookup(name: str) -> OpDef:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..placement import Replicate, Shard
-from .registry import VIEW, OpDef, register
+from ..placement import Placement, Replicate, Shard, normalize_placements, placements_str
+from .creation import size_arg
+from .registry import VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, Placed, expand, placement_error
 
 R = Replicate()
@@ -114,11 +115,43 @@ def _squeeze(ctx, input, dim=None):
     return input.squeeze(tuple(d % len(shape) for d in dims if shape[d] == 1))
 
 
+def relabel_rule(call) -> Placed:
+    """``x.view(placements)``, DTorch's relabel: the blocks stay where they are and are read
+    under ``placements``, which the user asserts describe them (no data moves, nothing is
+    checked but that every device's block has the shape the new placements give it)."""
+    (spec,) = call.tensors
+    placements = normalize_placements(call.static["placements"], call.mesh.ndim, len(spec.shape))
+    new = spec.with_placements(placements)
+    for coord in call.mesh.coordinates():
+        old_shape, new_shape = spec.local_region(coord)[0], new.local_region(coord)[0]
+        if old_shape != new_shape:
+            raise ValueError(
+                f"dtorch.view: placements {placements_str(placements)} do not describe the blocks "
+                f"of placements {placements_str(spec.placements)} (device at {list(coord)} holds "
+                f"{list(old_shape)}, which would be {list(new_shape)}); to move the data, use "
+                f"x.redistribute(placements={list(placements)!r})")
+    return Placed((placements,))
+
+
+register(OpDef("relabel", "relabel(input: Tensor, placements)",
+               lambda input: input.view(input.shape), relabel_rule, function=False, flags=VIEW,
+               meta=lambda input: input))
+
+
+def view(input, *shape):
+    """``x.view(*shape)`` as torch, or DTorch's ``x.view(placements)``: a sequence of
+    placements relabels the blocks (see ``relabel_rule``)."""
+    if len(shape) == 1 and isinstance(shape[0], (list, tuple)) and shape[0] and all(
+            isinstance(p, Placement) for p in shape[0]):
+        return issue("relabel", (input,), (tuple(shape[0]),))
+    return issue("view", (input,), (size_arg(shape),))
+
+
 SHAPE_ARGS = "input: Tensor, *shape"
 for _name in ("reshape", "view"):
     register(OpDef(_name, f"{_name}({SHAPE_ARGS})", _local_reshape(getattr(torch.Tensor, _name)),
                    reshape_rule, methods=(_name,), function=_name == "reshape", flags=VIEW,
-                   uses_context=True,
+                   uses_context=True, front=view if _name == "view" else None,
                    meta=lambda input, shape, _m=_name: getattr(input, _m)(shape)))
 register(OpDef("flatten", "flatten(input: Tensor, start_dim=0, end_dim=-1)", torch.flatten,
                reshape_rule, methods=("flatten",), flags=VIEW))
@@ -251,9 +284,29 @@ register(OpDef("narrow", "narrow(input: Tensor, dim, start, length)", torch.narr
 register(OpDef("split", "split(tensor: Tensor, split_size_or_sections, dim=0)",
                _parts(torch.split), moving_rule(_at("dim")), meta=torch.split,
                methods=("split",), flags=VIEW, result=_as_tuple))
+
+
+def chunk(input, chunks=None, dim=0, *, chunk=None):
+    """``torch.chunk``, and DTorch's ``chunk(input, chunk, dim)`` (the count named ``chunk``);
+    ``dim`` defaults to 0 in every form (DTorch's function has no default).
+
+    >>> import dtorch
+    >>> x = dtorch.ones((5, 4), device_mesh=dtorch.DeviceMesh("cpu", [0, 1]),
+    ...                 placements=[dtorch.Shard(0)])
+    >>> [c.shape[1] for c in dtorch.chunk(x, chunk=3, dim=1)], len(x.chunk(chunks=2, dim=1))
+    ([2, 2], 2)
+    """
+    if chunks is not None and chunk is not None:
+        raise TypeError("chunk() got 'chunks' and 'chunk', two names of one parameter")
+    chunks = chunk if chunks is None else chunks
+    if chunks is None:
+        raise TypeError("chunk() missing required argument 'chunks' (pos 1)")
+    return _as_tuple(issue("chunk", (input,), (chunks, dim)))
+
+
 register(OpDef("chunk", "chunk(input: Tensor, chunks, dim=0)", _parts(torch.chunk),
                moving_rule(_at("dim")), meta=torch.chunk, methods=("chunk",), flags=VIEW,
-               result=_as_tuple))
+               result=_as_tuple, front=chunk))
 register(OpDef("unbind", "unbind(input: Tensor, dim=0)", _parts(torch.unbind),
                moving_rule(_at("dim"), lambda d, ndim, dim=0: d - (d > dim % ndim)),
                meta=torch.unbind, methods=("unbind",), flags=VIEW, result=_as_tuple))

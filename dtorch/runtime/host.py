@@ -34,11 +34,10 @@ from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 from .. import config, protocol as P
 from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
-from ..ops.creation import CLIENT_ONLY
 from ..spec import MeshInfo, coordinate_of, group_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
-from .stream import Blob, Event, Stream
+from .stream import Blob, Event, Memory, Stream
 
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
@@ -47,6 +46,8 @@ class Device:
             "cuda", index)
         self.streams: dict = {}
         self.blobs: dict = {}
+        # the bytes its blobs hold (a CUDA device reports torch.cuda's allocator instead)
+        self.memory = Memory() if device_type == "cpu" else None
         self._groups = Groups(index, self.torch_device, host.store)
         # failure agreement runs on the CPU (reading a flag from a GPU would sync its stream)
         self._cpu_groups = self._groups if device_type == "cpu" else Groups(
@@ -82,8 +83,7 @@ class HostCall:
         else:
             op = registry.lookup(name)
             self.fn, self.uses_context = op.kernel, op.uses_context
-            kwargs = dict(zip([n for n in op.static_names if n not in CLIENT_ONLY],
-                              P.unpack_static(static)))
+            kwargs = dict(zip(P.wire_names(op.static_names), P.unpack_static(static)))
         self.name, self.kwargs = name, kwargs
         self.in_specs = [host.specs[i] if i else None for i in inputs]
         self.out_specs = [host.specs[i] for i in outputs]
@@ -150,10 +150,10 @@ class KernelRun:
     def _store(self, result) -> None:
         outputs = self.outputs
         if len(outputs) == 1:
-            outputs[0].tensor = result
+            outputs[0].hold(result)
         else:
             for blob, value in zip(outputs, result):
-                blob.tensor = value
+                blob.hold(value)
 
     def _run_collective(self) -> None:
         """A collective never skips: its peers would wait for it forever. A member whose input
@@ -300,7 +300,7 @@ class Host:
         self.calls[P.DefineCall(*rec).id] = HostCall(self, rec)
 
     def on_wait(self, rec) -> None:
-        self.waits = rec[1:]  # (WAIT, *streams): for the next kernel
+        self.waits = P.items(rec)  # the streams the next kernel waits for
 
     def on_kernel(self, rec) -> None:
         self.on_chain((P.CHAIN, rec))
@@ -308,7 +308,7 @@ class Host:
     def on_chain(self, rec) -> None:
         """A kernel, or a chain of kernels each reading the one before (only the last one's
         results become blobs), queued for every local device of the last kernel's mesh."""
-        members = [(self.calls[m[P.OP_CALL]], m) for m in rec[1:]]
+        members = [(self.calls[m[P.OP_CALL]], m) for m in P.items(rec)]
         call, last = members[-1]
         outs = P.op_outs(last, call.n_out)
         waits, self.waits = self.waits, None
@@ -323,7 +323,7 @@ class Host:
             elif dev in call.out_devices:
                 outputs = []
                 for o, spec in zip(outs, call.out_specs):
-                    dev.blobs[o] = b = Blob(spec)
+                    dev.blobs[o] = b = Blob(spec, memory=dev.memory)
                     outputs.append(b)
                     self.owners[o] = call.out_devices
             else:

@@ -3,26 +3,105 @@
 A Stream runs its queue of kernels in order on a thread of its own (on CUDA the thread also
 enters a ``torch.cuda.Stream``, so kernels from two streams overlap on the GPU). An Event is
 recorded by one stream and waited for by another; on CUDA it carries a ``torch.cuda.Event`` too,
-so the waiting stream waits on the GPU rather than on the CPU.
+so the waiting stream waits on the GPU rather than on the CPU. A CPU device's Memory counts the
+bytes its blobs hold (``Graph.get_memory_stats``).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 
 import torch
 
 
+class Memory:
+    """The bytes a CPU device's blobs hold, and their peak since the last reset.
+
+    Counted per storage, so views of one storage (a reshape, a detach) count once: a blob notes
+    its tensor's storage when a kernel stores it (``Blob.hold``) and notes it dropped when the
+    blob itself goes (the last of the device's table and the queued kernels that use it lets go),
+    which is when the memory is freed. Transient buffers inside a kernel are not blobs and are
+    not counted. Noting costs a deque append (atomic, so stream threads and the host's main
+    thread note without a lock); the notes are applied in their order, which keeps the peak
+    exact, when the figures are read or every ``LIMIT`` notes.
+    """
+
+    __slots__ = ("notes", "allocated", "peak", "_storages", "_lock")
+    LIMIT = 4096
+
+    def __init__(self):
+        self.notes: collections.deque = collections.deque()  # (storage, bytes); bytes 0: dropped
+        self.allocated = self.peak = 0
+        self._storages: dict = {}  # storage address -> [bytes, blobs holding it]
+        self._lock = threading.Lock()
+
+    def note(self, storage: int, size: int) -> None:
+        notes = self.notes
+        notes.append((storage, size))
+        if len(notes) > self.LIMIT:
+            self.read()
+
+    def read(self, reset_peak: bool = False) -> tuple:
+        """(allocated, peak) in bytes; ``reset_peak`` then starts the peak again from now."""
+        with self._lock:
+            notes, storages = self.notes, self._storages
+            allocated, peak = self.allocated, self.peak
+            while notes:  # only this thread takes notes out (others may add more meanwhile)
+                key, size = notes.popleft()
+                entry = storages.get(key)
+                if size:
+                    if entry is None:
+                        storages[key] = [size, 1]
+                        allocated += size
+                        peak = max(peak, allocated)
+                    else:
+                        entry[1] += 1
+                else:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del storages[key]
+                        allocated -= entry[0]
+            self.allocated, self.peak = allocated, allocated if reset_peak else peak
+            return allocated, peak
+
+
 class Blob:
     """A tensor a device holds (or the error that prevented it). Kernels hold the Blob objects
     they use, so dropping a Blob from the device's table frees the memory only once the last
-    queued kernel using it has run."""
+    queued kernel using it has run. ``memory``: the device's Memory, which counts the tensor
+    from ``hold`` until the blob goes (None: not counted)."""
 
-    __slots__ = ("tensor", "error", "spec")
+    __slots__ = ("tensor", "error", "spec", "memory", "_held")
 
-    def __init__(self, spec, tensor=None):
+    def __init__(self, spec, tensor=None, memory: Memory | None = None):
         self.spec, self.tensor, self.error = spec, tensor, None
+        self.memory, self._held = memory, 0
+
+    def hold(self, tensor) -> None:
+        """Stores a kernel's result (again, for an in-place kernel: the new storage is noted
+        before the old one is dropped, so an unchanged storage never leaves the count)."""
+        memory = self.memory
+        if memory is not None:
+            held = self._held
+            try:
+                storage = tensor.untyped_storage()
+                size = storage.nbytes()
+            except (AttributeError, NotImplementedError, RuntimeError):  # no tensor, or no storage
+                size = 0
+            if size:
+                self._held = key = storage.data_ptr()
+                memory.note(key, size)
+            else:
+                self._held = 0
+            if held:
+                memory.note(held, 0)
+        self.tensor = tensor
+
+    def __del__(self):
+        if self._held:
+            self.memory.note(self._held, 0)
 
 
 class Event:
@@ -87,14 +166,22 @@ class Stream:
 
     def _drain(self) -> None:
         get = self.queue.get
+        # On the CPU a kernel has run when it returns, so each is let go then: a blob dropped
+        # from the device's table is freed when the last kernel using it has run, not when the
+        # whole batch has. A CUDA kernel has only been launched by then, so there the batch
+        # keeps its kernels (and their blobs) until its end.
+        let_go = self.device.type != "cuda"
         while (items := get()) is not None:
-            for item in items:
+            for k in range(len(items)):
+                item = items[k]
+                if let_go:
+                    items[k] = None
                 try:
                     item()
                 except Exception:  # noqa: BLE001 - kernels catch their own errors, so this is
                     # a runtime bug; the stream goes on, for a dead stream would hang its waiters
                     self._on_error(self.thread.name)
-            # while it waits for more, the stream must not keep the last kernels' blobs alive
+            # while it waits for more, the stream must not keep the last kernel's blobs alive
             items = item = None
 
     def close(self) -> None:
