@@ -174,3 +174,20 @@ def test_declared_dependencies_run_the_quickstart(tmp_path):
     run = subprocess.run([sys.executable, "-I", "-S", "-c", boot], capture_output=True,
                          text=True, cwd=tmp_path, timeout=110)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+ROLES = {"client": ("dtorch.client",), "controller": ("dtorch.controller",),
+         "runtime": ("dtorch.runtime",)}
+
+
+def test_no_role_imports_another_roles_modules():
+    """The client, the controller and the hosts meet only in shared modules (protocol, specs,
+    placements, the registry, the launcher), never in each other's."""
+    found = {}
+    for module, deps in graph(top_level_only=False).items():
+        for role, prefixes in ROLES.items():
+            if _is(module, prefixes):
+                others = [d for d in deps for r, p in ROLES.items() if r != role and _is(d, p)]
+                if others:
+                    found[module] = sorted(others)
+    assert found == {}

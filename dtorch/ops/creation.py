@@ -348,17 +348,18 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, device_mesh=None
     return on_graph(graph, "arange", (), (start, end, step, dtype, mesh, placements))
 
 
-def _spaced_front(name: str, signature_defaults: dict):
-    def factory(start, end, steps, *args, dtype=None, device=None, device_mesh=None,
-                placements=None, graph=None, **kw):
-        given = dict(zip(signature_defaults, args), **kw)
-        extra = tuple(given.get(k, v) for k, v in signature_defaults.items())
-        dtype, mesh = layout(name, dtype, device, device_mesh, graph)
-        return on_graph(graph, name, (), (start, end, steps, *extra, dtype, mesh, placements))
+def linspace(start, end, steps, *, dtype=None, device=None, device_mesh=None, placements=None,
+             graph=None):
+    """``torch.linspace``: the whole range on each device, which keeps its block."""
+    dtype, mesh = layout("linspace", dtype, device, device_mesh, graph)
+    return on_graph(graph, "linspace", (), (start, end, steps, dtype, mesh, placements))
 
-    factory.__name__ = factory.__qualname__ = name
-    factory.__doc__ = f"``torch.{name}``: the whole range on each device, which keeps its block."
-    return factory
+
+def logspace(start, end, steps, base=10.0, *, dtype=None, device=None, device_mesh=None,
+             placements=None, graph=None):
+    """``torch.logspace``: the whole range on each device, which keeps its block."""
+    dtype, mesh = layout("logspace", dtype, device, device_mesh, graph)
+    return on_graph(graph, "logspace", (), (start, end, steps, base, dtype, mesh, placements))
 
 
 def eye(n, m=None, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None):
@@ -551,13 +552,13 @@ register(OpDef("linspace", f"linspace(start, end, steps, *, {LAYOUT})", _spaced(
                creation_rule,
                meta=checked(PROBES["linspace"], lambda start, end, steps, dtype: torch.linspace(
                    start, end, steps, dtype=dtype, device="meta")),
-               uses_context=True, front=_spaced_front("linspace", {})))
+               uses_context=True, front=linspace))
 register(OpDef("logspace", f"logspace(start, end, steps, base=10.0, *, {LAYOUT})",
                _spaced(torch.logspace), creation_rule,
                meta=checked(PROBES["logspace"],
                             lambda start, end, steps, base, dtype: torch.logspace(
                                 start, end, steps, base, dtype=dtype, device="meta")),
-               uses_context=True, front=_spaced_front("logspace", {"base": 10.0})))
+               uses_context=True, front=logspace))
 register(OpDef("randperm", f"randperm(seed: Tensor, n, *, {LAYOUT})",
                random_kernel(torch.randperm), creation_rule,
                meta=checked(PROBES["randperm"], lambda seed, n, dtype: torch.randperm(
