@@ -29,7 +29,7 @@ DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dty
 
 
 class Tensor:
-    __slots__ = ("_id", "_spec", "_name", "__weakref__")
+    __slots__ = ("_id", "_spec", "_name", "_requires_grad", "__weakref__")
     # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
     __array_ufunc__ = None
 
@@ -99,6 +99,15 @@ class Tensor:
         if not self._spec.shape:
             raise TypeError("len() of a 0-d tensor")
         return self._spec.shape[0]
+
+    @property
+    def requires_grad(self) -> bool:
+        """Carried for autograd (a later feature): True on a ``Parameter`` unless told otherwise."""
+        return getattr(self, "_requires_grad", False)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._requires_grad = bool(value)
 
     @property
     def data(self) -> Tensor:

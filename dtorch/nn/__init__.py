@@ -1,3 +1,12 @@
-"""dtorch.nn: neural-network building blocks on distributed tensors."""
+"""dtorch.nn: modules whose parameters are distributed tensors, and the functional ops.
+
+A model written once runs on one device or any mesh: layers take torch's constructor arguments
+plus ``device=``, ``dtype=`` and ``device_mesh=`` (default: the graph's, which
+``Graph.device_mesh_guard`` sets), and ``load_state_dict`` puts every value in its parameter's
+layout.
+"""
 
 from . import functional  # noqa: F401
+from .modules import *  # noqa: F401,F403
+from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
+from .parameter import Buffer, Parameter  # noqa: F401
