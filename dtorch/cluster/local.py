@@ -16,6 +16,7 @@ user's program, not the runtime it is using, and Ctrl-Z stops only the program.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,8 +26,11 @@ import time
 
 from .. import config
 
-# A child's first heartbeat may wait for its interpreter to start on a busy machine.
+# Until a child has loaded its module, its heartbeats may pause for longer: on a busy machine the
+# interpreter's start, and imports that hold the GIL in C for seconds (torch's), can stall the
+# heartbeat thread. The child says it has loaded with one LOADED byte among its beats.
 STARTUP_ALLOWANCE_S = 10.0
+BEAT, LOADED = b"\1", b"\2"
 
 
 class Child:
@@ -35,7 +39,7 @@ class Child:
         self.life_fd = life_fd  # readable on each heartbeat; EOF once the child has exited
         self._parent_fd = parent_fd  # closing it tells the child to exit
         self.last_beat = time.monotonic()
-        self.heard = False  # a heartbeat has arrived
+        self.loaded = False  # the child has loaded its module: no startup allowance now
 
     @property
     def pid(self) -> int:
@@ -48,7 +52,8 @@ class Child:
         except BlockingIOError:
             return True
         if beats:
-            self.last_beat, self.heard = time.monotonic(), True
+            self.last_beat = time.monotonic()
+            self.loaded = self.loaded or LOADED in beats
         return bool(beats)
 
     def silence(self) -> float:
@@ -57,7 +62,7 @@ class Child:
 
     def is_silent(self) -> bool:
         """Silent past ``config.heartbeat_timeout_s``: stopped, hung or gone."""
-        allowance = 0.0 if self.heard else STARTUP_ALLOWANCE_S
+        allowance = 0.0 if self.loaded else STARTUP_ALLOWANCE_S
         return self.silence() > config.heartbeat_timeout_s + allowance
 
     def describe_exit(self) -> str:
@@ -175,7 +180,7 @@ def child_main(module: str, argv: list) -> None:
         os.set_blocking(life_fd, False)
         while True:
             try:
-                os.write(life_fd, b"\1")
+                os.write(life_fd, BEAT)
             except BlockingIOError:  # the parent is not reading (stopped): it is not our death
                 pass
             except OSError:  # the parent is gone; the watcher exits us
@@ -185,7 +190,10 @@ def child_main(module: str, argv: list) -> None:
     threading.Thread(target=watch_parent, name="dtorch-parent-watch", daemon=True).start()
     threading.Thread(target=beat, name="dtorch-heartbeat", daemon=True).start()
     sys.modules["dtorch"].__getattr__ = _public_api
-    import_module(module).main(argv, keys, on_exit.append)
+    main = import_module(module).main
+    with contextlib.suppress(BlockingIOError):  # a full pipe: the parent is not reading
+        os.write(life_fd, LOADED)
+    main(argv, keys, on_exit.append)
 
 
 def _public_api(name: str):

@@ -170,9 +170,21 @@ class Controller:
         frame = P.pack(records)
         for host in self.hosts.values():
             if host.ready:
-                self.host_sock.send_multipart([host.identity, frame], copy=False)
+                self.send(host, frame)
             else:
                 host.backlog.append(frame)
+
+    def send(self, host: HostHandle, frame) -> None:
+        """A frame to one host. A send to a host whose connection has closed fails: that host
+        has died or is dying, and its death (its pipe closes soon after) is what to report."""
+        try:
+            self.host_sock.send_multipart([host.identity, frame], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.report_dead_hosts(timeout=DEATH_GRACE_S)
+            self.on_host_death(host, f"{host.child.name} pid {host.child.pid} closed its "
+                                     f"connection")
 
     # -- hosts ----------------------------------------------------------------------------------
     def ensure_hosts(self, device_type: str, devices) -> None:
@@ -201,9 +213,8 @@ class Controller:
         if tag == P.HOST_READY:
             host.ready = True
             welcome = P.pack([P.Welcome(P.WELCOME, os.path.join(self.store_dir, "store"))])
-            self.host_sock.send_multipart([host.identity, welcome])
-            for frame in host.backlog:
-                self.host_sock.send_multipart([host.identity, frame], copy=False)
+            for frame in [welcome, *host.backlog]:
+                self.send(host, frame)
             host.backlog = []
         elif tag == P.SYNCED:
             request = P.Synced(*msg).token

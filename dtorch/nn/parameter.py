@@ -47,12 +47,14 @@ class Buffer(Tensor):
     def __new__(cls, data: Tensor, *, persistent: bool = True):
         b = _alias_as(cls, data)
         if not persistent:
-            _TRANSIENT.add(b)
+            _TRANSIENT[id(b)] = b
         return b
 
     @property
     def persistent(self) -> bool:
-        return self not in _TRANSIENT
+        return _TRANSIENT.get(id(self)) is not self
 
 
-_TRANSIENT = weakref.WeakSet()  # the buffers made with persistent=False (no room in a slot)
+# the buffers made with persistent=False, by id (no room in a slot; a tensor's == is elementwise,
+# so it cannot key a WeakSet)
+_TRANSIENT = weakref.WeakValueDictionary()
