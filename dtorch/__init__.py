@@ -47,6 +47,7 @@ dtype, finfo, iinfo, device, Generator, Size = (_torch.dtype, _torch.finfo, _tor
 globals().update({name: getattr(_tensor_module, name) for name in TYPED})
 
 from . import nn  # noqa: E402
+from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)
 

@@ -5,4 +5,6 @@ from . import conversion  # noqa: F401,E402
 from . import extension, indexing, nn  # noqa: F401,E402  (indexing, nn ops, user ops)
 from . import system  # noqa: F401,E402  (NVTX ranges and marks)
 from . import memory  # noqa: F401,E402  (Graph.get_memory_stats, empty_cache)
+from . import checkpoint  # noqa: F401,E402  (safetensors block reads and writes)
+from . import vocab  # noqa: F401,E402  (vocabulary-parallel embedding)
 from .registry import REGISTRY, OpDef, lookup, register  # noqa: F401
