@@ -18,6 +18,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm.auto import tqdm
 
+from ..nn.modules.module import mismatch
 from ..nn.parameter import Parameter
 from ..ops.checkpoint import pack_pieces, read_block, read_into
 from ..tensor import Tensor
@@ -105,23 +106,6 @@ def remap(entries: Mapping, rename) -> dict:
                              f"to {new!r}")
         out[new], source[new] = entry, key
     return out
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    return "complex" if dtype.is_complex else "float" if dtype.is_floating_point else "int"
-
-
-def mismatch(key: str, target, entry) -> str | None:
-    """What keeps ``entry`` out of ``target``, in torch's words where torch has them."""
-    if tuple(entry.shape) != tuple(target.shape):
-        return (f"size mismatch for {key}: copying a param with shape {tuple(entry.shape)} "
-                f"from checkpoint, the shape in current model is {tuple(target.shape)}.")
-    if _kind(entry.dtype) != _kind(target.dtype):
-        return (f"dtype mismatch for {key}: copying a {entry.dtype} value into a "
-                f"{target.dtype} parameter; cast the value first if that is meant")
-    return None
 
 
 def check(module, strict: bool, missing, unexpected, errors) -> None:

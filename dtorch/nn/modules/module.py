@@ -229,18 +229,27 @@ def _kind(dtype: torch.dtype) -> str:
     return "complex" if dtype.is_complex else "float" if dtype.is_floating_point else "int"
 
 
-def load_into(target: Tensor, value, key: str) -> str | None:
-    """Copies ``value`` (a torch or dtorch tensor) into ``target``'s blocks, each device only its
-    own: the message of what is wrong with it, or None."""
-    if not isinstance(value, (torch.Tensor, Tensor)):
-        return (f'While copying the parameter named "{key}", expected torch.Tensor or '
-                f'dtorch.Tensor from checkpoint but received {type(value).__name__}')
+def mismatch(key: str, target, value) -> str | None:
+    """What keeps ``value`` (anything with a shape and dtype: a tensor, a checkpoint entry) out
+    of ``target``, in torch's words where torch has them; None when it fits."""
     if tuple(value.shape) != tuple(target.shape):
         return (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                 f"checkpoint, the shape in current model is {tuple(target.shape)}.")
     if _kind(value.dtype) != _kind(target.dtype):
         return (f"dtype mismatch for {key}: copying a {value.dtype} value into a "
                 f"{target.dtype} parameter; cast the value first if that is meant")
+    return None
+
+
+def load_into(target: Tensor, value, key: str) -> str | None:
+    """Copies ``value`` (a torch or dtorch tensor) into ``target``'s blocks, each device only its
+    own: the message of what is wrong with it, or None."""
+    if not isinstance(value, (torch.Tensor, Tensor)):
+        return (f'While copying the parameter named "{key}", expected torch.Tensor or '
+                f'dtorch.Tensor from checkpoint but received {type(value).__name__}')
+    error = mismatch(key, target, value)
+    if error:
+        return error
     if isinstance(value, torch.Tensor):  # straight to each device's block, no full copy there
         spec = target._spec
         value = from_torch(value.to(target.dtype), spec.mesh, source_placements(spec, spec))
