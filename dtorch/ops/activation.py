@@ -48,6 +48,14 @@ POINTWISE = [
     ("softplus", ", beta=1.0, threshold=20.0", (), None),
     ("hardtanh", ", min_val=-1.0, max_val=1.0, inplace=False", (), "hardtanh_"),
     ("hardswish", ", inplace=False", (), None),
+    ("hardsigmoid", ", inplace=False", (), None),
+    ("celu", ", alpha=1.0, inplace=False", (), "celu_"),
+    ("threshold", ", threshold, value, inplace=False", (), "threshold_"),
+    ("hardshrink", ", lambd=0.5", (), None),
+    ("softshrink", ", lambd=0.5", (), None),
+    ("softsign", "", (), None),
+    ("tanhshrink", "", (), None),
+    ("logsigmoid", "", (), None),
 ]
 
 for name, tail, partials, inplace in POINTWISE:

@@ -4,11 +4,8 @@
 Each class subclasses its torch twin after ``dtorch.nn.Module``, as the containers do, so
 ``ReLU(inplace=True)`` takes and prints what torch's takes and prints; only ``forward`` (and
 ``PReLU``'s parameter) are dtorch's. Placements are those of the op ``forward`` calls
-(docs/ops.md): pointwise ones keep any Shard; ``Softmax`` and its kin need ``dim`` whole.
-Activations torch.nn.functional has and dtorch's registry lacks (``CELU``, ``LogSigmoid``,
-``Hardsigmoid``, ``Softsign``, ``Tanhshrink``, ``Threshold``, ``Hardshrink``, ``Softshrink``)
-run torch's function on each device's block (``dtorch.local_map``): they are pointwise, so
-any Shard or Replicate input works, and a Partial one is refused (none of them is linear).
+(docs/ops.md): pointwise ones keep any Shard and refuse a Partial input (none is linear);
+``Softmax`` and its kin need ``dim`` whole.
 
 >>> import dtorch
 >>> act = dtorch.nn.LeakyReLU(0.5)
@@ -30,20 +27,6 @@ __all__ = ["ReLU", "ReLU6", "Hardtanh", "Sigmoid", "Tanh", "LeakyReLU", "ELU", "
            "SiLU", "GELU", "Mish", "Hardswish", "Hardsigmoid", "Softplus", "Softsign",
            "Tanhshrink", "Threshold", "Hardshrink", "Softshrink", "LogSigmoid", "PReLU", "GLU",
            "Softmax", "LogSoftmax", "Softmin", "Softmax2d"]
-
-
-def on_blocks(module: Module, name: str, input, *args, inplace: bool = False):
-    """``torch.nn.functional.<name>(block, *args)`` on every device's block of ``input`` (a
-    pointwise function: the result keeps the input's placements); ``inplace`` writes it back
-    into ``input``, as torch's ``inplace=True``."""
-    if any(p.is_partial() for p in input.placements):
-        fix = [dtorch.Replicate() if p.is_partial() else p for p in input.placements]
-        raise ValueError(
-            f"dtorch.nn.{type(module).__name__}: a Partial input ({input.placements}) is not "
-            f"supported, {name} is not linear; reduce it first: "
-            f"x = x.redistribute(placements={fix!r})")
-    out = dtorch.local_map(f"torch.nn.functional.{name}", input.placements)(input, *args)
-    return input.copy_(out) if inplace else out
 
 
 # -- activations of dtorch.nn.functional ----------------------------------------------------------
@@ -119,43 +102,42 @@ class Softplus(Module, torch.nn.Softplus):
 
 class CELU(Module, torch.nn.CELU):
     def forward(self, input):
-        return on_blocks(self, "celu", input, self.alpha, inplace=self.inplace)
+        return F.celu(input, self.alpha, self.inplace)
 
 
 class Hardsigmoid(Module, torch.nn.Hardsigmoid):
     def forward(self, input):
-        return on_blocks(self, "hardsigmoid", input, inplace=self.inplace)
+        return F.hardsigmoid(input, self.inplace)
 
 
 class Threshold(Module, torch.nn.Threshold):
     def forward(self, input):
-        return on_blocks(self, "threshold", input, self.threshold, self.value,
-                         inplace=self.inplace)
+        return F.threshold(input, self.threshold, self.value, self.inplace)
 
 
 class Softsign(Module, torch.nn.Softsign):
     def forward(self, input):
-        return on_blocks(self, "softsign", input)
+        return F.softsign(input)
 
 
 class Tanhshrink(Module, torch.nn.Tanhshrink):
     def forward(self, input):
-        return on_blocks(self, "tanhshrink", input)
+        return F.tanhshrink(input)
 
 
 class Hardshrink(Module, torch.nn.Hardshrink):
     def forward(self, input):
-        return on_blocks(self, "hardshrink", input, self.lambd)
+        return F.hardshrink(input, self.lambd)
 
 
 class Softshrink(Module, torch.nn.Softshrink):
     def forward(self, input):
-        return on_blocks(self, "softshrink", input, self.lambd)
+        return F.softshrink(input, self.lambd)
 
 
 class LogSigmoid(Module, torch.nn.LogSigmoid):
     def forward(self, input):
-        return on_blocks(self, "logsigmoid", input)
+        return F.logsigmoid(input)
 
 
 # -- composed of dtorch's ops ---------------------------------------------------------------------
