@@ -5,6 +5,7 @@ executes them concurrently in other processes), against torch doing the same ops
 small CPU tensor, in the same run. Prints microseconds per op and the ratio.
 """
 
+import statistics
 import time
 
 import torch
@@ -15,16 +16,16 @@ N = 20000
 
 
 def per_op(fn, n=N, repeats=5):
-    """Best of ``repeats`` timings; the runtime drains between them (untimed), so each timing
-    sees the same empty pipeline."""
-    best = float("inf")
+    """Median of ``repeats`` timings (not the best: a lucky run is no one's cost); the runtime
+    drains between them (untimed), so each timing sees the same empty pipeline."""
+    times = []
     for _ in range(repeats):
         dtorch.sync()
         t0 = time.perf_counter()
         fn(n)
-        best = min(best, (time.perf_counter() - t0) / n)
+        times.append((time.perf_counter() - t0) / n)
     dtorch.sync()
-    return best
+    return statistics.median(times)
 
 
 def torch_ops(n):
