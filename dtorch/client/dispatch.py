@@ -16,7 +16,7 @@ import torch
 from .. import protocol as P
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
-from ..ops.registry import INPLACE, lookup
+from ..ops.registry import INPLACE, freeze, lookup
 from ..ops.rules import Call, inplace_error
 from ..placement import Replicate, check_partials, normalize_placements
 from ..spec import intern_spec
@@ -48,7 +48,7 @@ def dispatch(op, operands: tuple, static: tuple):
     try:
         bound = s.bound.get(key)
     except TypeError:  # a list among the static args
-        static = _freeze(static)
+        static = freeze(static)
         key = (op, static) + key[2:]
         bound = s.bound.get(key)
     if bound is None:
@@ -304,9 +304,3 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     s = _session.current()
     b = bind_redistribute(s, spec, intern_spec(spec.shape, spec.dtype, mesh, placements))
     return issue(s, b, (t,), s.site())
-
-
-def _freeze(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value

@@ -47,7 +47,7 @@ import torch
 from ..placement import (Placement, decode_placement, encode_placement, local_shape,
                          normalize_placements, placements_str)
 from ..tensor import Tensor
-from .registry import REGISTRY, OpDef, issue, lookup, register
+from .registry import REGISTRY, OpDef, freeze, issue, lookup, register
 from .rules import Call, Placed, expand, replicate_only
 
 _RESOLVED: dict = {}
@@ -186,8 +186,8 @@ def local_map(fn, out_placements, in_placements=None):
         static = tuple(None if k in slots else a for k, a in enumerate(args))
         kw = tuple(sorted(kwargs.items()))
         specs = tuple(t._spec for t in tensors)
-        out_specs = local_outputs(ref, specs, slots, _freeze(static), _freeze(kw),
-                                  _freeze(outs))
+        out_specs = local_outputs(ref, specs, slots, freeze(static), freeze(kw),
+                                  freeze(outs))
         return issue("local_map", tensors, (ref, slots, static, kw, out_specs))
 
     mapped.__name__ = mapped.__qualname__ = f"local_map({ref[1]})"
@@ -275,12 +275,6 @@ def _global_output(name, mesh, blocks, coords, placements) -> tuple:
                 f"chunks); choose out_placements that match, e.g. Replicate() where every "
                 f"device computes the whole result")
     return tuple(shape), blocks[0][1], tuple(encode_placement(p) for p in placements)
-
-
-def _freeze(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
 
 
 # -- register_op ----------------------------------------------------------------------------------

@@ -123,3 +123,10 @@ def lookup(name: str) -> OpDef:
         return REGISTRY[name]
     except KeyError:
         raise NotImplementedError(f"dtorch has no operator {name!r}") from None
+
+
+def freeze(value):
+    """``value`` with every list or tuple inside it a tuple: hashable, to key a cache of calls."""
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
