@@ -48,6 +48,18 @@ def group_devices(mesh, mesh_dim: int, coord) -> tuple:
     return tuple(out)
 
 
+def span_devices(mesh, mesh_dims, coord) -> tuple:
+    """The devices of the sub-mesh over ``mesh_dims`` through ``coord`` (sorted): the peers of
+    a kernel whose collectives run along several mesh dims. Along one dim: its group, in rank
+    order."""
+    if len(mesh_dims) == 1:
+        return group_devices(mesh, mesh_dims[0], coord)
+    out = {device_at(mesh, coord)}
+    for d in mesh_dims:
+        out |= {x for c in out for x in group_devices(mesh, d, coordinate_of(mesh, c))}
+    return tuple(sorted(out))
+
+
 class TensorSpec:
     __slots__ = ("shape", "dtype", "mesh", "placements", "wire_id", "__weakref__")
 

@@ -44,6 +44,9 @@ class OpDef:
     doc: str = ""
     front: Callable | None = None  # the public function, where the signature is not enough
     origin: str = "dtorch"  # the module that defined it (a user's, for dtorch.register_op)
+    # a COMM kernel's: (in_specs, **static) -> the mesh dims its collectives run along, whose
+    # devices agree on failures together (None: every dim of the first operand's mesh)
+    comm_dims: Callable | None = None
     # filled from the signature
     params: list = field(default_factory=list)
     static_names: tuple = ()

@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 from .. import config, protocol as P
 from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
-from ..spec import MeshInfo, coordinate_of, group_devices
+from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Memory, Stream
@@ -73,19 +73,24 @@ class HostCall:
     taking part (those of the result's mesh, plus the source mesh's for a move)."""
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
-                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out")
+                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
+                 "comm_dims")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
         step = STEP_KERNELS[name[len(P.STEP_PREFIX):]] if name.startswith(P.STEP_PREFIX) else None
+        self.in_specs = [host.specs[i] if i else None for i in inputs]
         if step is not None:
             self.fn, self.uses_context, kwargs = step, True, {"mesh_dim": P.unpack(static)[0]}
+            self.comm_dims = (kwargs["mesh_dim"],)
         else:
             op = registry.lookup(name)
             self.fn, self.uses_context = op.kernel, op.uses_context
             kwargs = dict(zip(P.wire_names(op.static_names), P.unpack_static(static)))
+            first = next((s for s in self.in_specs if s is not None), None)
+            self.comm_dims = (tuple(op.comm_dims(self.in_specs, **kwargs)) if op.comm_dims
+                              else tuple(range(len(first.mesh.shape))) if first else ())
         self.name, self.kwargs = name, kwargs
-        self.in_specs = [host.specs[i] if i else None for i in inputs]
         self.out_specs = [host.specs[i] for i in outputs]
         self.n_out = len(outputs)
         self.mask = [bool(i) for i in inputs]
@@ -215,11 +220,12 @@ def stand_in(ctx, k: int, x):
 
 def failure_peers(ctx, call: HostCall) -> tuple:
     """The devices that run one collective together: a move spans both meshes (every device of
-    either runs it); every other step runs along one mesh dim of one mesh."""
+    either runs it); every other step runs along one mesh dim of one mesh, and a COMM kernel
+    along its ``comm_dims``."""
     src, dst = call.in_specs[0], call.out_specs[0]
     if src.mesh is not dst.mesh:
         return tuple(sorted(set(src.mesh.devices) | set(dst.mesh.devices)))
-    return group_devices(src.mesh, call.kwargs["mesh_dim"], ctx.coord)
+    return span_devices(src.mesh, call.comm_dims, ctx.coord)
 
 
 class Host:
