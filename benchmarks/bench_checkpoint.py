@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from procmem import children, reset_peak, status_kb
+
 MB = 1 << 20
 DIRECTORY = "/tmp/dtorch_bench_checkpoint"
 PATH = os.path.join(DIRECTORY, "model.safetensors")
@@ -57,28 +59,6 @@ def write_checkpoint(size_mb: int) -> int:
 
 
 # -- measuring a process ----------------------------------------------------------------------
-
-
-def status_kb(pid, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak(pid) -> None:
-    """The kernel's peak RSS (VmHWM) starts again from the current RSS."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
-
-
-def children(pid: int) -> list:
-    out = []
-    for path in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{path}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
 
 
 # -- the cases, each in a fresh interpreter ---------------------------------------------------
