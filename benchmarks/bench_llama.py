@@ -27,7 +27,9 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("DTORCH_CPU_HOSTS", "1")
+os.environ.setdefault("DTORCH_CPU_HOSTS", "1")  # before dtorch is imported
+
+import torch  # noqa: E402
 
 CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
@@ -35,7 +37,6 @@ BATCH, SEQ, NEW_TOKENS = 2, 128, 16
 
 
 def build():
-    import torch
     import transformers
 
     import dtorch
@@ -54,13 +55,12 @@ def build():
 
 
 def timings(rounds: int) -> dict:
-    import torch
-
     import dtorch
 
     hf, model, ids = build()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).to_torch(), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    # (both forwards below run under no_grad; generate runs under inference_mode on both)
     times = {k: [] for k in ("hf_forward", "client", "forward", "hf_generate", "generate")}
     mask = torch.ones_like(ids)
     for _ in range(rounds):
@@ -68,11 +68,12 @@ def timings(rounds: int) -> dict:
             t0 = time.perf_counter()
             _ = hf(ids).logits
             times["hf_forward"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        logits = model(ids)  # held until synced: an unread result would be dead code
-        t1 = time.perf_counter()
-        dtorch.sync()
-        t2 = time.perf_counter()
+        with torch.no_grad():  # as HF's side: no tape
+            t0 = time.perf_counter()
+            logits = model(ids)  # held until synced: an unread result would be dead code
+            t1 = time.perf_counter()
+            dtorch.sync()
+            t2 = time.perf_counter()
         del logits
         times["client"].append(t1 - t0)
         times["forward"].append(t2 - t0)
@@ -109,8 +110,6 @@ class LiveBytes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                import torch
-
                 for t in out if isinstance(out, (tuple, list)) else (out,):
                     if isinstance(t, torch.Tensor):
                         storage = t.untyped_storage()
@@ -127,8 +126,6 @@ class LiveBytes:
 
 
 def peak_hf() -> dict:
-    import torch
-
     hf, _, ids = build()
     with torch.no_grad():
         hf(ids)  # warm, as dtorch's side
@@ -139,6 +136,7 @@ def peak_hf() -> dict:
     return {"mb": tracker.live[1] / 2**20}
 
 
+@torch.no_grad()
 def peak_dtorch() -> dict:
     import dtorch
 

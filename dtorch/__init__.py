@@ -21,7 +21,8 @@ import sys
 import torch as _torch
 
 from . import config, ops  # noqa: F401  (ops registers every operator)
-from . import cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
+from . import autograd, cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
+from .autograd import enable_grad, inference_mode, no_grad, set_grad_enabled  # noqa: F401
 from .client import frontend as _frontend
 from .client.graph import default_graph, get_default_device_mesh
 from .client.session import shutdown
@@ -47,6 +48,8 @@ dtype, finfo, iinfo, device, Generator, Size = (_torch.dtype, _torch.finfo, _tor
 globals().update({name: getattr(_tensor_module, name) for name in TYPED})
 
 from . import nn  # noqa: E402
+from . import amp, optim  # noqa: E402,F401
+from . import profiler  # noqa: E402,F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)

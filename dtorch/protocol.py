@@ -18,6 +18,10 @@ Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait wh
     for other streams), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
 Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
+Tracing (``dtorch.profiler``): the client's Trace record travels with the batch to every host,
+which switches its streams' recording at that point of their queues; a Trace off is followed by
+a Sync, and each host answers it with TraceEvents before its Synced, so the client has every
+host's events once the sync returns.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
 
 STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"), not an operator
+VJP_PREFIX = "vjp:"  # DefineCall.op of a vector-Jacobian product ("vjp:<forward call id>")
 
 # tags
 DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
 KERNEL, WAIT = 8, 9
 VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
 CHAIN = 17
+TRACE, TRACE_EVENTS = 18, 19
 
 
 class DefineMesh(NamedTuple):
@@ -186,6 +192,28 @@ class HostReady(NamedTuple):
 class Welcome(NamedTuple):
     tag: int
     store_path: str  # the FileStore that process groups rendezvous through
+
+
+class Trace(NamedTuple):
+    """Starts (``on``) or stops kernel recording on every host, in program order. A stop names
+    the ``request`` that the hosts' TraceEvents answer."""
+
+    tag: int
+    on: bool
+    request: int
+
+
+class TraceEvents(NamedTuple):
+    """One host's recorded kernels since its Trace on: ``events`` is a list of
+    ``[name, device, stream, start_ns, end_ns]`` (``time.time_ns()``, one clock for every
+    process of the machine)."""
+
+    tag: int
+    request: int
+    host: int
+    pid: int
+    threads: int  # torch.get_num_threads() on that host
+    events: list
 
 
 class Fatal(NamedTuple):

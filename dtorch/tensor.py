@@ -29,7 +29,8 @@ DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dty
 
 
 class Tensor:
-    __slots__ = ("_id", "_spec", "_name", "_requires_grad", "__weakref__")
+    __slots__ = ("_id", "_spec", "_name", "_requires_grad", "_node", "_grad",
+                 "_grad_placements", "__weakref__")
     # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
     __array_ufunc__ = None
 
@@ -100,19 +101,74 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return self._spec.shape[0]
 
+    # -- autograd (``dtorch/autograd``) ----------------------------------------------------------
+    @property
+    def grad(self):
+        """The gradient ``backward`` accumulated into this leaf, laid out as it; None before."""
+        return getattr(self, "_grad", None)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._grad = value
+
+    @property
+    def grad_placements(self):
+        """How ``backward`` lays this leaf's ``.grad`` out (None: as the leaf). ZeRO-2 shards
+        it on the data-parallel dim."""
+        return getattr(self, "_grad_placements", None)
+
+    @grad_placements.setter
+    def grad_placements(self, placements) -> None:
+        self._grad_placements = None if placements is None else list(placements)
     @property
     def requires_grad(self) -> bool:
-        """Carried for autograd (a later feature): True on a ``Parameter`` unless told otherwise."""
+        """Whether autograd records the ops on this tensor: set on leaves (a ``Parameter`` is
+        one unless told otherwise), True on the results of recorded ops."""
         return getattr(self, "_requires_grad", False)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
+        if not value and getattr(self, "_node", None) is not None:
+            raise RuntimeError("you can only change requires_grad flags of leaf variables; "
+                               "use .detach() for a tensor without history")
+        if value and not self.dtype.is_floating_point and not self.dtype.is_complex:
+            raise RuntimeError("only Tensors of floating point and complex dtype can require "
+                               "gradients")
         self._requires_grad = bool(value)
+        if value:
+            from .autograd import tape  # (its state only; tape imports nothing from here)
+
+            tape.active = True
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        """True unless the tensor is the result of an op autograd recorded."""
+        return getattr(self, "_node", None) is None
+
+    @property
+    def grad_fn(self):
+        """The recorded op that made this tensor (``None`` on a leaf)."""
+        return getattr(self, "_node", None)
 
     @property
     def data(self) -> Tensor:
-        """The tensor itself (there is no autograd to detach from yet), as DTorch's."""
-        return self
+        """The value without autograd history, as torch's ``.data`` (``detach``, an op that
+        aliases the blocks)."""
+        return self.detach() if getattr(self, "_requires_grad", False) else self
+
+    @property
+    def T(self) -> Tensor:
+        """The dims reversed (``permute``), as torch's ``.T``."""
+        return self.permute(*reversed(range(self.dim())))
+
+    @property
+    def mT(self) -> Tensor:
+        """The last two dims swapped, as torch's ``.mT``."""
+        return self.transpose(-2, -1)
 
     def is_contiguous(self, memory_format=None) -> bool:
         """Always True: every block is stored contiguously on its device."""

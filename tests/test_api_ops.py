@@ -503,14 +503,16 @@ def test_sdpa_option(mesh1, mesh2):
         assert_close(got, expected)
         assert got.placements == [S0, S1]
     assert_close(F._scaled_dot_product_attention(*heads, None, 0.0, True), expected)
+    # context parallelism (tests/test_context_parallel.py has the cases)
     seq = [distribute(t, named, [S0, S2]) for t in (q, k, v)]
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        F.scaled_dot_product_attention(*seq)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        F.scaled_dot_product_attention(*seq, sdpa_option=SdpaOption(ulysess_cp_dim="ulysses_cp"))
-    with pytest.raises(NotImplementedError, match="context parallelism"):  # an index: always on
-        F.scaled_dot_product_attention(*[distribute(t, mesh1, [S2]) for t in (q, k, v)],
-                                       sdpa_option=SdpaOption(ring_cp_dim=0))
+    plain = TF.scaled_dot_product_attention(q, k, v)
+    for option in (None, SdpaOption(ulysess_cp_dim="ulysses_cp")):
+        got = F.scaled_dot_product_attention(*seq, sdpa_option=option)
+        assert_close(got, plain)
+        assert got.placements == [S0, S2]
+    assert_close(F.scaled_dot_product_attention(  # an index: always on
+        *[distribute(t, mesh1, [S2]) for t in (q, k, v)], sdpa_option=SdpaOption(ring_cp_dim=0)),
+        plain)
     # no such dim: as before, the sequence must be whole (a placement refusal)
     assert_refused(lambda: F.scaled_dot_product_attention(
         *[distribute(t, mesh1, [S2]) for t in (q, k, v)]), op="scaled_dot_product_attention")

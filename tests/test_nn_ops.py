@@ -309,7 +309,11 @@ def test_attention_gqa_and_causal(placements, mesh2):
         is_causal=True, enable_gqa=True)
     assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert got.placements == placements
+    # key heads sharded too where their blocks line up with the query's (6 and 2 over 2: 3, 1)
     heads = [distribute(t, mesh2, [S1, R]) for t in (q, k, v)]
+    assert_close(DF.scaled_dot_product_attention(*heads, enable_gqa=True),
+                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    heads = [distribute(t, mesh2, [S1, S1]) for t in (q, k, v)]  # over 4: 2, 1, 2, 1 and 1, 0
     with pytest.raises(ValueError, match=r"key = key.redistribute\(placements=\[Replicate"):
         DF.scaled_dot_product_attention(*heads, enable_gqa=True)
 

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from .. import protocol as P
+from ..autograd import tape
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import INPLACE, freeze, lookup
@@ -27,14 +28,16 @@ _REPLICATE = Replicate()
 
 
 class Bound:
-    """A call shape whose metadata and placements are known: what a cache hit needs."""
+    """A call shape whose metadata and placements are known: what a cache hit needs. ``op``:
+    the entry (None for a redistribute), for autograd's record."""
 
-    __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single")
+    __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single", "op")
 
-    def __init__(self, call_id, outs, mask, pre=(), post=(), inplace=False):
+    def __init__(self, call_id, outs, mask, pre=(), post=(), inplace=False, op=None):
         self.call_id, self.outs, self.mask = call_id, outs, mask
         self.pre, self.post, self.inplace = pre, post, inplace
         self.single = len(outs) == 1
+        self.op = op
 
 
 def dispatch(op, operands: tuple, static: tuple):
@@ -68,14 +71,20 @@ def issue(s, b: Bound, operands, site: int):
     if b.inplace:
         target = operands[0]
         s.append((P.OP, b.call_id, site, 0, target._id, *vals))
+        if tape.active:
+            tape.record(b, operands, ())
         return target
     ids = s.ids
     if b.single:
         t = symbol(next(ids), b.outs[0])
         s.append((P.OP, b.call_id, site, 0, t._id, *vals))
+        if tape.active:
+            tape.record(b, operands, (t,))
         return issue(s, b.post[0], (t,), site) if b.post else t
     outs = [symbol(next(ids), spec) for spec in b.outs]
     s.append((P.OP, b.call_id, site, 0, *[t._id for t in outs], *vals))
+    if tape.active:
+        tape.record(b, operands, outs)
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)
@@ -259,7 +268,7 @@ def bind(s, op, operands, static) -> Bound:
         )
     call_id = s.define_call(op.name, inputs, out_specs, tuple(P.wire_static(kw).values()), flags)
     mask = tuple(isinstance(o, Tensor) for o in operands)
-    return Bound(call_id, out_specs, mask, pre, post, inplace)
+    return Bound(call_id, out_specs, mask, pre, post, inplace, op)
 
 
 def bind_redistribute(s, src, dst) -> Bound:
@@ -278,7 +287,8 @@ def bind_accumulated(s, src, dst, dtype: torch.dtype) -> Bound:
     final = intern_spec(dst.shape, str(dtype)[6:], dst.mesh, dst.placements)
     cast_id = s.define_call(cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
     reduce = bind_redistribute(s, src, dst)
-    return Bound(reduce.call_id, (dst,), (True,), post=(Bound(cast_id, (final,), (True,)),))
+    return Bound(reduce.call_id, (dst,), (True,),
+                 post=(Bound(cast_id, (final,), (True,), op=cast),))
 
 
 def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:

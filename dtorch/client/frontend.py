@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from .. import autograd
 from ..ops.creation import size_arg
 from ..ops.registry import REGISTRY, plug_dispatch
 from . import session
@@ -81,6 +82,7 @@ RUNTIME_METHODS = {
     "to_torch_async": session.fetch,
     "redistribute": redistribute,
     "__del__": session.release,
+    "backward": autograd.tensor_backward,
 }
 
 

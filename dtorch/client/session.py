@@ -103,6 +103,7 @@ class Session:
         self.sites: dict = {}
         self.site_names: list = ["<unknown>"]
         self.pending: dict = {}  # request -> (future, spec, pieces)
+        self.traces: dict = {}  # request -> the TraceEvents received for a trace stop
         self.errors: list = []  # kernel errors not raised yet (at most MAX_ERRORS)
         self.more_errors = 0  # how many more were reported
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
@@ -309,6 +310,22 @@ class Session:
     def sync(self) -> None:
         self.sync_async().get()
 
+    def trace(self, on: bool):
+        """Starts kernel recording on every host (None), or stops it and returns each host's
+        TraceEvents (``protocol.Trace``): they all arrive before the sync that follows."""
+        if on:
+            self.append(P.Trace(P.TRACE, True, 0))
+            self.flush()
+            return None
+        request = next(self.requests)
+        self.traces[request] = []
+        try:
+            self.append(P.Trace(P.TRACE, False, request))
+            self.sync()
+        finally:
+            received = self.traces.pop(request)
+        return [P.TraceEvents(*m) for m in received]
+
     def raise_alarm(self) -> None:
         """The runtime's failure, or the records that could not be sent (then the runtime
         stays usable)."""
@@ -408,6 +425,10 @@ class Session:
                     self.errors.append(text)
                 else:
                     self.more_errors += 1
+        elif tag == P.TRACE_EVENTS:
+            received = self.traces.get(msg[1])
+            if received is not None:
+                received.append(msg)
         elif tag == P.SYNCED:
             entry = self.pending.pop(msg[1], None)
             if entry:

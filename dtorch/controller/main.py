@@ -82,6 +82,7 @@ class Controller:
         # the process groups' rendezvous store (a torch FileStore), private to this user
         self.store_dir = tempfile.mkdtemp(prefix="dtorch-store-")
         self.death = None  # (message, when to report it): a host died, its peers may report
+        self.tracing = False  # a Trace on is in force: a host that starts now must trace too
         self.running = True
 
     # -- main loop ------------------------------------------------------------------------------
@@ -129,6 +130,9 @@ class Controller:
                 nodes.append(rec)
             elif rec[0] == P.SHUTDOWN:
                 self.running = False
+            elif rec[0] == P.TRACE:
+                self.tracing = bool(P.Trace(*rec).on)
+                nodes.append(rec)
             else:
                 nodes.append(rec)
         n_in = len(nodes)
@@ -194,6 +198,8 @@ class Controller:
                 child = local.start_host(index, device_type, self.host_addr, self.keys)
                 host = self.hosts[index] = HostHandle(index, child)
                 host.backlog.append(P.pack(self.graph.definitions))
+                if self.tracing:
+                    host.backlog.append(P.pack([P.Trace(P.TRACE, True, 0)]))
                 self.by_identity[host.identity] = host
                 self.life_fds[child.life_fd] = host
                 self.poller.register(child.life_fd, zmq.POLLIN)

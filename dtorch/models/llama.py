@@ -423,6 +423,9 @@ class LlamaForCausalLM(nn.Module):
                 last_only: bool = False) -> Tensor:
         h = self.model(input_ids, cache)
         if last_only:  # decoding needs the last position's logits only
+            whole = [R if p == Shard(1) else p for p in h.placements]
+            if whole != list(h.placements):  # the sequence split over CP: slice it whole
+                h = h.redistribute(placements=whole)
             h = h[:, -1:]
         return self.lm_head(h)
 

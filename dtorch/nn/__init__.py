@@ -6,7 +6,8 @@ plus ``device=``, ``dtype=`` and ``device_mesh=`` (default: the graph's, which
 layout.
 """
 
-from . import functional  # noqa: F401
+from . import functional, utils  # noqa: F401
 from .modules import *  # noqa: F401,F403
 from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
 from .parameter import Buffer, Parameter  # noqa: F401
+from .pipeline import pipeline  # noqa: F401

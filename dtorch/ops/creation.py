@@ -247,6 +247,13 @@ def layout(name: str, dtype, device, device_mesh, graph, floating: bool = True) 
     return dtype, device_mesh
 
 
+def with_grad(t, requires_grad: bool):
+    """A factory's result, a leaf that requires grad when asked (``requires_grad=``)."""
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
 def on_graph(graph, name: str, operands: tuple, static: tuple):
     """Issues the entry ``name``, on ``graph``'s streams when one is given."""
     if graph is None:
@@ -257,10 +264,11 @@ def on_graph(graph, name: str, operands: tuple, static: tuple):
 
 def _constant(name: str):
     def factory(*sizes, size=None, dtype=None, device=None, device_mesh=None, placements=None,
-                graph=None):
+                graph=None, requires_grad=False):
         shape = check_size(name, sizes, size, dtype)
         dtype, mesh = layout(name, dtype, device, device_mesh, graph)
-        return on_graph(graph, name, (), (shape, dtype, mesh, placements))
+        made = on_graph(graph, name, (), (shape, dtype, mesh, placements))
+        return with_grad(made, requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"``torch.{name}``: each device makes its block; ``size=`` works too."
@@ -268,11 +276,12 @@ def _constant(name: str):
 
 
 def full(size, fill_value, *, dtype=None, device=None, device_mesh=None, placements=None,
-         graph=None):
+         graph=None, requires_grad=False):
     """``torch.full``: the dtype of ``fill_value`` unless given (a float: the default dtype)."""
     floating = isinstance(fill_value, float)
     dtype, mesh = layout("full", dtype, device, device_mesh, graph, floating)
-    return on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+    made = on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
 def _seed(name, generator, draw, size, dtype, **kw):
@@ -291,12 +300,13 @@ def _seed(name, generator, draw, size, dtype, **kw):
 
 def _random(name: str, draw):
     def factory(*size, generator=None, dtype=None, device=None, device_mesh=None,
-                placements=None, graph=None):
+                placements=None, graph=None, requires_grad=False):
         size = check_size(name, size, dtype=dtype)
         dtype, mesh = layout(name, dtype, device, device_mesh, graph)
         normalize_placements(placements, mesh.ndim, len(size))  # before the draw
         seed = _seed(name, generator, draw, size, dtype)
-        return on_graph(graph, name, (seed,), (size, dtype, mesh, placements))
+        made = on_graph(graph, name, (seed,), (size, dtype, mesh, placements))
+        return with_grad(made, requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = (f"``torch.{name}``; equal to torch's values for the same "
@@ -335,7 +345,7 @@ def randperm(n, *, generator=None, dtype=torch.int64, device=None, device_mesh=N
 
 
 def arange(start, end=None, step=1, *, dtype=None, device=None, device_mesh=None,
-           placements=None, graph=None):
+           placements=None, graph=None, requires_grad=False):
     """``arange(end)`` or ``arange(start, end, step)``, as torch (int64 for ints; a float bound
     or step: the default dtype). ``step=None`` is 1, as in DTorch."""
     if end is None:
@@ -345,31 +355,36 @@ def arange(start, end=None, step=1, *, dtype=None, device=None, device_mesh=None
     step = 1 if step is None else step
     floating = any(isinstance(v, float) for v in (start, end, step))
     dtype, mesh = layout("arange", dtype, device, device_mesh, graph, floating)
-    return on_graph(graph, "arange", (), (start, end, step, dtype, mesh, placements))
+    made = on_graph(graph, "arange", (), (start, end, step, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
 def linspace(start, end, steps, *, dtype=None, device=None, device_mesh=None, placements=None,
-             graph=None):
+             graph=None, requires_grad=False):
     """``torch.linspace``: the whole range on each device, which keeps its block."""
     dtype, mesh = layout("linspace", dtype, device, device_mesh, graph)
-    return on_graph(graph, "linspace", (), (start, end, steps, dtype, mesh, placements))
+    made = on_graph(graph, "linspace", (), (start, end, steps, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
 def logspace(start, end, steps, base=10.0, *, dtype=None, device=None, device_mesh=None,
-             placements=None, graph=None):
+             placements=None, graph=None, requires_grad=False):
     """``torch.logspace``: the whole range on each device, which keeps its block."""
     dtype, mesh = layout("logspace", dtype, device, device_mesh, graph)
-    return on_graph(graph, "logspace", (), (start, end, steps, base, dtype, mesh, placements))
+    made = on_graph(graph, "logspace", (), (start, end, steps, base, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
-def eye(n, m=None, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None):
+def eye(n, m=None, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None,
+        requires_grad=False):
     """``torch.eye``: each device makes its block of the identity."""
     dtype, mesh = layout("eye", dtype, device, device_mesh, graph)
-    return on_graph(graph, "eye", (), (n, m, dtype, mesh, placements))
+    made = on_graph(graph, "eye", (), (n, m, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
 def from_torch(tensor: torch.Tensor, device_mesh=None, placements=None, *, device=None,
-               graph=None):
+               graph=None, requires_grad=False):
     """A distributed tensor whose logical value is ``tensor`` (each device keeps its block;
     on a Partial mesh dim device 0 holds the value and the others the reduction's identity).
 
@@ -384,11 +399,12 @@ def from_torch(tensor: torch.Tensor, device_mesh=None, placements=None, *, devic
     _, mesh = layout("from_torch", tensor.dtype, device, device_mesh, graph, floating=False)
     data = tensor.detach().to("cpu").contiguous()
     raw = data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-    return on_graph(graph, "from_data", (raw,),
-                    (tuple(data.shape), data.dtype, mesh, placements))
+    return with_grad(on_graph(graph, "from_data", (raw,),
+                    (tuple(data.shape), data.dtype, mesh, placements)), requires_grad)
 
 
-def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None):
+def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, graph=None,
+           requires_grad=False):
     """A tensor whose value is ``data``: a torch tensor, a NumPy array, nested lists or
     numbers (``torch.tensor``'s rules, in the graph's default dtype for floats), or a dtorch
     tensor (then an alias of its blocks, moved to ``device_mesh``/``placements`` when given)."""
@@ -398,8 +414,9 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
             out = out.to(dtype)
         if device is not None or device_mesh is not None:
             _, mesh = layout("tensor", None, device, device_mesh, graph, floating=False)
-            return out.redistribute(mesh, placements)
-        return out if placements is None else out.redistribute(placements=placements)
+            return with_grad(out.redistribute(mesh, placements), requires_grad)
+        out = out if placements is None else out.redistribute(placements=placements)
+        return with_grad(out, requires_grad)
     if not isinstance(data, torch.Tensor):
         if dtype is None:
             data = torch.tensor(data)
@@ -408,7 +425,8 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
         data = torch.as_tensor(data, dtype=dtype)
     elif dtype is not None:
         data = data.to(dtype)
-    return from_torch(data, device_mesh, placements, device=device, graph=graph)
+    return from_torch(data, device_mesh, placements, device=device, graph=graph,
+                      requires_grad=requires_grad)
 
 
 def from_numpy(array):
@@ -431,10 +449,11 @@ def _like(name, input, dtype, device, device_mesh, placements):
 
 def _constant_like(name: str):
     def factory(input, *, dtype=None, device=None, device_mesh=None, placements=None,
-                graph=None):
+                graph=None, requires_grad=False):
         base = name[:-len("_like")]
-        return on_graph(graph, base, (), _like(name, input, dtype, device, device_mesh,
+        made = on_graph(graph, base, (), _like(name, input, dtype, device, device_mesh,
                                                placements))
+        return with_grad(made, requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"``torch.{name}``: the input's size, dtype and layout unless given."
@@ -442,20 +461,21 @@ def _constant_like(name: str):
 
 
 def full_like(input, fill_value, *, dtype=None, device=None, device_mesh=None, placements=None,
-              graph=None):
+              graph=None, requires_grad=False):
     size, dtype, mesh, placements = _like("full_like", input, dtype, device, device_mesh,
                                           placements)
-    return on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+    made = on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
+    return with_grad(made, requires_grad)
 
 
 def _random_like(name: str):
     def factory(input, *, generator=None, dtype=None, device=None, device_mesh=None,
-                placements=None, graph=None):
+                placements=None, graph=None, requires_grad=False):
         size, dtype, mesh, placements = _like(name, input, dtype, device, device_mesh,
                                               placements)
         return lookup(name[:-len("_like")]).front(size, generator=generator, dtype=dtype,
                                                   device_mesh=mesh, placements=placements,
-                                                  graph=graph)
+                                                  graph=graph, requires_grad=requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"``torch.{name}``: the input's size, dtype and layout unless given."

@@ -1,5 +1,5 @@
 """Neural-network operators (``dtorch.nn.functional``): embedding, one_hot, convolutions,
-pooling, interpolate, losses (mse_loss, cross_entropy, nll_loss), scaled_dot_product_attention.
+pooling, interpolate, losses (mse_loss, cross_entropy, nll_loss). Attention is ``attention.py``.
 
 The important local case is the batch: samples never meet, so a batch-sharded input (``S(0)``)
 with Replicate weights gives a batch-sharded output on every device's own samples. Pooling and
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import Partial, Replicate, Shard
-from ..type import ULYSSES_CP, OperatorFormat, PaddingType, PoolingKind, SdpaOption
+from ..type import OperatorFormat, PaddingType, PoolingKind
 from .activation import channels_last, either
 from .registry import OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand, placement_error
@@ -475,124 +475,3 @@ for _name, _extra in (("cross_entropy", ", label_smoothing=0.0"), ("nll_loss", "
     register(OpDef(_name, f"{_name}({LOSS}{_extra})", class_loss(_fn), class_loss_rule,
                    meta=class_loss_meta(_fn), result=_divide, uses_context=True,
                    functional=True, function=False))
-
-
-# -- attention ------------------------------------------------------------------------------------
-# query (..., Hq, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev) -> (..., Hq, L, Ev); the mask
-# broadcasts to (..., Hq, L, S). Each (batch, head) pair attends on its own, so the leading dims
-# shard alike; a position attends to every key position, so L, S and the embedding dims are whole
-# (context parallel would need a ring of key/value blocks).
-
-
-def attention_rule(call) -> Placed:
-    """A leading dim sharded alike in every operand of its full size (one that broadcasts it
-    stays Replicate) shards the output there. With GQA (Hk < Hq), query head h reads key head
-    h // (Hq / Hk): array_split blocks of the two head dims do not line up, so the query heads
-    shard with key and value heads Replicate (each device picks its heads' keys, see
-    ``_attention``). The output is linear in value: a Partial value with the rest Replicate
-    gives a Partial."""
-    out = call.outs[0][0]
-    shapes = [s.shape for s in call.tensors]
-    gqa = shapes[1][-3:-2] != shapes[0][-3:-2]
-    rows = []
-    for d in range(len(out) - 2):
-        ins = [_along(shape, d, out) for shape in shapes]
-        if gqa and d == len(out) - 3:
-            ins[1] = ins[2] = R
-        if all(ins) and any(p != R for p in ins):  # None: a size neither full nor 1
-            rows.append(((Shard(d),), tuple(ins)))
-    for p in LINEAR_PARTIALS:
-        rows.append(((p,), tuple(p if k == 2 else R for k in range(len(shapes)))))
-    return expand(call, rows)
-
-
-def _along(shape, d, out):
-    """An operand's placement when the output's dim ``d`` is sharded: Shard of its matching dim,
-    Replicate where it broadcasts (missing or size 1), None where it can do neither."""
-    di = d - (len(out) - len(shape))
-    if di >= 0 and shape[di] == out[d]:
-        return Shard(di)
-    return R if di < 0 or shape[di] == 1 else None
-
-
-def _attention(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
-               scale=None, enable_gqa=False):
-    """torch's own; with GQA and this device holding a block of the query heads (keys whole),
-    the key and value heads those query heads read (head h reads h // (Hq / Hk))."""
-    q_spec, k_spec = ctx.in_specs[0], ctx.in_specs[1]
-    if enable_gqa and query.dim() > 2 and query.shape[-3] != q_spec.shape[-3]:
-        _, offsets = q_spec.local_region(ctx.coord)
-        group = q_spec.shape[-3] // k_spec.shape[-3]
-        first = offsets[len(q_spec.shape) - 3]
-        heads = torch.arange(first, first + query.shape[-3], device=key.device) // group
-        key, value = key.index_select(-3, heads), value.index_select(-3, heads)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
-                                          scale=scale, enable_gqa=enable_gqa)
-
-
-def _attention_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
-                    scale=None, enable_gqa=False):
-    if dropout_p > 0:
-        raise NotImplementedError("dtorch.scaled_dot_product_attention: dropout_p > 0 is not "
-                                  "supported yet; apply dtorch.nn.functional.dropout to the "
-                                  "attention weights of an explicit softmax(q @ k.T) @ v")
-    # torch's meta kernel refuses a mask with is_causal, which its CPU kernel combines (a mask
-    # and the causal triangle): the shapes are the same either way
-    causal = is_causal and attn_mask is None
-    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, causal,
-                                          scale=scale, enable_gqa=enable_gqa)
-
-
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, sdpa_option=None):
-    """``torch.nn.functional.scaled_dot_product_attention``, with DTorch's ``sdpa_option``
-    (``SdpaOption``: the mesh dims of context parallelism). Context parallelism is not there
-    yet: a query sharded along its sequence on such a mesh dim (of more than one device) raises
-    NotImplementedError; otherwise the call runs as torch's.
-
-    >>> import dtorch, torch
-    >>> from dtorch.nn.functional import SdpaOption
-    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=["dp"])
-    >>> q = dtorch.ones((2, 3, 4, 8), device_mesh=mesh, placements=[dtorch.Shard(1)])
-    >>> F = dtorch.nn.functional
-    >>> F.scaled_dot_product_attention(q, q, q, sdpa_option=SdpaOption()).placements
-    [Shard(dim=1)]
-    """
-    option = SdpaOption() if sdpa_option is None else sdpa_option
-    option.check_valid()
-    mesh, seq = query.device_mesh, len(query.shape) - 2
-    for dim in (option.ulysess_cp_dim, option.ring_cp_dim):
-        i = _cp_dim(mesh, dim)
-        if i is not None and mesh.shape[i] > 1 and query.placements[i] == Shard(seq):
-            fix = [R if k == i else p for k, p in enumerate(query.placements)]
-            raise NotImplementedError(
-                f"dtorch.scaled_dot_product_attention: the query is sharded along its sequence "
-                f"(Shard({seq})) on mesh dim {dim!r}, which sdpa_option names for context "
-                f"parallelism; context parallelism comes in a later version. Until then, make "
-                f"the sequence whole there, e.g. query = query.redistribute(placements={fix!r}) "
-                f"(and key, value alike)")
-    return issue("scaled_dot_product_attention", (query, key, value, attn_mask),
-                 (dropout_p, is_causal, scale, enable_gqa))
-
-
-def _cp_dim(mesh, dim):
-    """The mesh dim an SdpaOption field names (a name absent from the mesh: None)."""
-    if dim is None or isinstance(dim, int):
-        return None if dim is None or not -mesh.ndim <= dim < mesh.ndim else dim % mesh.ndim
-    names = list(mesh.dim_names or ())
-    spellings = (dim, ULYSSES_CP, "ulysses_cp") if dim in (ULYSSES_CP, "ulysses_cp") else (dim,)
-    return next((names.index(n) for n in spellings if n in names), None)
-
-
-# the option names mesh dims: a front (DTorch's raw op ``_scaled_dot_product_attention`` too)
-register(OpDef("scaled_dot_product_attention",
-               "scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, "
-               "attn_mask: Tensor = None, dropout_p=0.0, is_causal=False, *, scale=None, "
-               "enable_gqa=False)", _attention, attention_rule, meta=_attention_meta,
-               uses_context=True, functional=True, function=False,
-               front=scaled_dot_product_attention))
-register(OpDef("_scaled_dot_product_attention",
-               "_scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, "
-               "attn_mask: Tensor = None, dropout_p=0.0, is_causal=False, scale=None, "
-               "enable_gqa=False, sdpa_option=None)", None, None,
-               front=scaled_dot_product_attention, function=False, functional=True))

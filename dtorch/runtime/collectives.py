@@ -12,7 +12,6 @@ reductions accumulate, instead of rounding at every hop of the collective.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -25,7 +24,7 @@ from torch._C._distributed_c10d import (
 )
 
 from ..placement import chunk_range, chunk_sizes
-from ..spec import device_at
+from ..spec import coordinate_of, device_at
 
 REDUCE = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -192,33 +191,63 @@ def pad_partial(ctx, x, mesh_dim):
 
 
 def move(ctx, x, mesh_dim):
-    """Between meshes. Same shape: the device at coordinate c of the source sends its block to
-    the device at c of the target. Otherwise (Replicate on both): source device 0 broadcasts the
-    whole value to the target mesh. Every device walks the transfers in the same order."""
+    """Between meshes. Same shape (a pipeline stage hop): point-to-point, the device at
+    coordinate c of the source sends its block to the device at c of the target. Otherwise
+    (Replicate on both): source device 0 broadcasts the whole value to the target mesh."""
     src, dst = ctx.in_specs[0], ctx.out_specs[0]
     if src.mesh.shape == dst.mesh.shape:
-        transfers = [(device_at(src.mesh, c), (device_at(dst.mesh, c),), dst.local_region(c)[0])
-                     for c in itertools.product(*map(range, dst.mesh.shape))]
-    else:
-        transfers = [(src.mesh.devices[0], dst.mesh.devices, dst.shape)]
+        return _move_p2p(ctx, x, src, dst)
     me, out = ctx.device.index, None
-    for root, receivers, shape in transfers:
-        members = tuple(sorted({root, *receivers}))
-        if me not in members:
-            continue
-        if members == (me,):
-            out = x.clone()
-            continue
-        if me == root:
-            buf = x.contiguous()
-        else:
-            buf = torch.empty(shape, dtype=getattr(torch, dst.dtype),
-                              device=ctx.device.torch_device)
-        opts = BroadcastOptions()
-        opts.rootRank = members.index(root)
-        ctx.device.group(members).broadcast([_wire(buf)], opts).wait()
-        if me in receivers:
-            out = buf.clone() if me == root else buf
+    root, receivers = src.mesh.devices[0], dst.mesh.devices
+    members = tuple(sorted({root, *receivers}))
+    if me not in members:
+        return ()
+    if members == (me,):
+        return x.clone()
+    if me == root:
+        buf = x.contiguous()
+    else:
+        buf = torch.empty(dst.shape, dtype=getattr(torch, dst.dtype),
+                          device=ctx.device.torch_device)
+    opts = BroadcastOptions()
+    opts.rootRank = members.index(root)
+    ctx.device.group(members).broadcast([_wire(buf)], opts).wait()
+    if me in receivers:
+        out = buf.clone() if me == root else buf
+    return () if out is None else out  # a device only of the source mesh keeps no block
+
+
+def _move_p2p(ctx, x, src, dst):
+    """One send and/or one receive per device, on the two-member group of the pair. A device of
+    both meshes at different coordinates (a shifted mesh) both sends and receives: both are
+    posted before either is waited for, so no cycle of devices can deadlock. The pair groups a
+    device needs are created in sorted order, one global order, so their rendezvous cannot
+    deadlock either."""
+    me = ctx.device.index
+    send_to = recv_from = None
+    if me in src.mesh.devices:
+        send_to = device_at(dst.mesh, coordinate_of(src.mesh, me))
+    if me in dst.mesh.devices:
+        coord = coordinate_of(dst.mesh, me)
+        recv_from = device_at(src.mesh, coord)
+    if send_to == me:  # the same device at the same coordinate: a local copy
+        return x.clone()
+    groups = {}
+    for peer in sorted(p for p in (send_to, recv_from) if p is not None):
+        pair = (me, peer) if me < peer else (peer, me)
+        groups[peer] = (ctx.device.group(pair), pair.index(peer))
+    works, out = [], None
+    if recv_from is not None:
+        out = torch.empty(dst.local_region(coord)[0], dtype=getattr(torch, dst.dtype),
+                          device=ctx.device.torch_device)
+        pg, rank = groups[recv_from]
+        works.append(pg.recv([_wire(out)], rank, 0))
+    if send_to is not None:
+        pg, rank = groups[send_to]
+        block = x.contiguous()  # held until the send completes
+        works.append(pg.send([_wire(block)], rank, 0))
+    for w in works:
+        w.wait()
     return () if out is None else out  # a device only of the source mesh keeps no block
 
 

@@ -37,7 +37,8 @@ from ..ops import registry  # importing ops registers every operator's kernel
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
-from .stream import Blob, Event, Memory, Stream
+from .stream import Blob, Event, Memory, Recorder, Stream
+from .vjp import vjp_kernel
 
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
@@ -57,7 +58,9 @@ class Device:
         s = self.streams.get(sid)
         if s is None:
             s = self.streams[sid] = Stream(f"dev{self.index}-stream{sid}", self.torch_device,
-                                           on_error=self.host.on_stream_error)
+                                           on_error=self.host.on_stream_error,
+                                           label=(self.index, sid))
+            s.tracer = self.host.tracer  # a stream made while tracing records from its start
         return s
 
     def group(self, members: tuple):
@@ -74,7 +77,7 @@ class HostCall:
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
                  "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
-                 "comm_dims")
+                 "comm_dims", "receive_only")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -83,6 +86,10 @@ class HostCall:
         if step is not None:
             self.fn, self.uses_context, kwargs = step, True, {"mesh_dim": P.unpack(static)[0]}
             self.comm_dims = (kwargs["mesh_dim"],)
+        elif name.startswith(P.VJP_PREFIX):
+            forward = host.calls[int(name[len(P.VJP_PREFIX):])]
+            self.fn, self.uses_context = vjp_kernel(forward), True
+            kwargs, self.comm_dims = {"needs": tuple(P.unpack_static(static))}, forward.comm_dims
         else:
             op = registry.lookup(name)
             self.fn, self.uses_context = op.kernel, op.uses_context
@@ -100,6 +107,10 @@ class HostCall:
         meshes = [s.mesh for s in self.out_specs] + [s.mesh for s in self.in_specs if s]
         self.out_devices = host.local_devices(self.out_specs[0].mesh) if self.out_specs else []
         self.devices = list({d.index: d for m in meshes for d in host.local_devices(m)}.values())
+        # a move's devices outside the source mesh read nothing: see Host.on_chain
+        self.receive_only = frozenset(
+            set(self.out_specs[0].mesh.devices) - set(self.in_specs[0].mesh.devices)
+            if name == P.STEP_PREFIX + "move" else ())
         self.contexts: dict = {}
 
     def context(self, device: Device):
@@ -151,6 +162,11 @@ class KernelRun:
                 print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
                       f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
         self._store(result)
+
+    @property
+    def trace_name(self) -> str:
+        """The kernel's name in a trace (a chain's joined with "+"); read only while tracing."""
+        return "+".join(step[0].name for step in self.steps)
 
     def _store(self, result) -> None:
         outputs = self.outputs
@@ -231,6 +247,7 @@ def failure_peers(ctx, call: HostCall) -> tuple:
 class Host:
     def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys):
         self.waits = None  # streams the next kernel waits for (a WAIT record)
+        self.tracer = None  # the Recorder while tracing (a TRACE record), see on_trace
         self.index, self.device_type = index, device_type
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -335,8 +352,16 @@ class Host:
             else:
                 outputs = []
             events = self.record_events(dev, waits) if waits else None
-            dev.stream(last[P.OP_STREAM]).put(KernelRun(steps, outputs, events, self,
-                                                       outs[0] if outs else 0))
+            stream = dev.stream(last[P.OP_STREAM])
+            if events and dev.index in call.receive_only:
+                # A move's waits are for its input, which a device outside the source mesh does
+                # not hold: its receive need not wait for its own compute stream (which is what
+                # lets a pipeline stage receive micro-batch i + 1 while it computes i). The
+                # controller counts the wait as done, so the stream waits right after instead.
+                stream.put(KernelRun(steps, outputs, None, self, outs[0] if outs else 0))
+                stream.put(lambda events=events: [e.wait() for e in events])
+            else:
+                stream.put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
 
     def record_events(self, dev: Device, streams) -> list:
         """An Event recorded on each of ``streams`` after the work queued there so far."""
@@ -404,24 +429,51 @@ class Host:
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         self.send(P.Value(P.VALUE, request, list(coord), list(t.shape), str(t.dtype)[6:]), data)
 
-    def on_sync(self, rec) -> None:
-        token = P.Sync(*rec).token
-        streams = [s for dev in self.devices.values() for s in dev.streams.values()]
-        if not streams:
-            self.send(P.Synced(P.SYNCED, token, self.index))
-            return
-        remaining = [len(streams)]
-        lock = threading.Lock()
+    def all_streams(self) -> list:
+        return [s for dev in self.devices.values() for s in dev.streams.values()]
 
-        def done():
+    def when_streams_reach(self, streams, each, last) -> None:
+        """Queues ``each(stream)`` on every stream of ``streams`` and calls ``last()`` once all
+        of them have run it (at once when there are none): "every stream got here"."""
+        remaining, lock = [len(streams)], threading.Lock()
+
+        def reached(s):
+            each(s)
             with lock:
                 remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self.send(P.Synced(P.SYNCED, token, self.index))
+                done = remaining[0] == 0
+            if done:
+                last()
 
+        if not streams:
+            last()
         for s in streams:
-            s.put(done)
+            s.put(lambda s=s: reached(s))
+
+    def on_sync(self, rec) -> None:
+        token = P.Sync(*rec).token
+        self.when_streams_reach(self.all_streams(), lambda s: None,
+                                lambda: self.send(P.Synced(P.SYNCED, token, self.index)))
+
+    def on_trace(self, rec) -> None:
+        """Tracing on or off, at this point of every stream's queue. Off: once every stream has
+        reached that point, this host's events go to the controller (before the Synced of the
+        Sync that follows, since each stream runs its items in order)."""
+        t = P.Trace(*rec)
+        streams = self.all_streams()
+        if t.on:
+            recorder = self.tracer = self.tracer or Recorder()
+            for s in streams:
+                s.put(lambda s=s: setattr(s, "tracer", recorder))
+            return
+        recorder, self.tracer = self.tracer or Recorder(), None
+
+        def off(s):
+            s.tracer = None
+
+        self.when_streams_reach(streams, off, lambda: self.send(P.TraceEvents(
+            P.TRACE_EVENTS, t.request, self.index, os.getpid(), torch.get_num_threads(),
+            recorder.events)))
 
     def on_welcome(self, rec) -> None:
         self._store_path = P.Welcome(*rec).store_path
@@ -436,6 +488,7 @@ class Host:
         P.FETCH: on_fetch,
         P.SYNC: on_sync,
         P.WELCOME: on_welcome,
+        P.TRACE: on_trace,
     }
 
     # -- main loop ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 
 import torch
 
@@ -123,6 +124,31 @@ class Event:
             torch.cuda.current_stream().wait_event(self._cuda)
 
 
+class Recorder:
+    """The kernels a host's streams ran while tracing (``dtorch.profiler``): one
+    ``(name, device, stream, start_ns, end_ns)`` per item with a ``trace_name`` (a KernelRun).
+    The span starts once the kernel's waits are over, so it is the stream's busy time, not its
+    idle time. Stream threads append (atomic under the GIL); nothing is locked."""
+
+    __slots__ = ("events",)
+
+    def __init__(self):
+        self.events: list = []
+
+    def run(self, stream, item) -> None:
+        name = getattr(item, "trace_name", None)
+        if name is None:  # an event record, a sync's or fetch's callback: not a kernel
+            item()
+            return
+        waits = item.waits
+        if waits:  # waited for here, so the kernel's own wait then returns at once
+            for e in waits:
+                e.wait()
+        t0 = time.time_ns()
+        item()
+        self.events.append((name, stream.label[0], stream.label[1], t0, time.time_ns()))
+
+
 class Stream:
     """A device's queue of kernels, run in order on a thread of its own.
 
@@ -131,9 +157,15 @@ class Stream:
     their own errors, so this is a runtime bug), or the thread's own set-up or loop. Work queued
     on a stream that no longer runs it would leave its waiters (a peer's collective, a sync)
     hanging for good, so such a failure must be reported, never die with the thread.
+
+    ``tracer``: a Recorder while tracing, else None (switched by items on the queue, so at a
+    point of the program; the only cost when off is this one attribute check per item).
+    ``label``: (device index, stream id), which the trace names.
     """
 
-    def __init__(self, name: str, device: torch.device, on_error):
+    def __init__(self, name: str, device: torch.device, on_error, label=(0, 0)):
+        self.tracer = None
+        self.label = label
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: list = []
         self.device = device
@@ -177,7 +209,10 @@ class Stream:
                 if let_go:
                     items[k] = None
                 try:
-                    item()
+                    if self.tracer is None:
+                        item()
+                    else:
+                        self.tracer.run(self, item)
                 except Exception:  # noqa: BLE001 - kernels catch their own errors, so this is
                     # a runtime bug; the stream goes on, for a dead stream would hang its waiters
                     self._on_error(self.thread.name)

@@ -9,3 +9,4 @@ from .norm import *  # noqa: F401,F403
 from .pooling import *  # noqa: F401,F403
 from .linear import *  # noqa: F401,F403
 from .embedding import *  # noqa: F401,F403
+from .moe import *  # noqa: F401,F403

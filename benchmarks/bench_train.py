@@ -1,0 +1,146 @@
+"""One training step of a small Llama (forward, backward, AdamW) against torch, same weights.
+
+    python benchmarks/bench_train.py [rounds=5]
+
+Measured in this one invocation, medians over ``rounds`` steps after a warm-up:
+1. 1-device mesh against HF's model in torch eager, in this process. Goal <= 1.2x.
+2. a dp2 mesh (2 devices, one host process each) against torch DDP and FSDP2
+   (``fully_shard``) on 2 gloo ranks, each rank half the batch. Goal: faster than both.
+
+Each torch thread count is the same on both sides: one host process per device with
+cpu_count / 2 threads against gloo ranks with as many; the 1-device case gives the host every
+core, as eager torch has.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from baseline import run_on_gloo_ranks
+
+CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+BATCH, SEQ = 4, 128
+
+
+def hf_model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+
+
+def data(step: int):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g)
+    return ids, torch.randint(0, CONFIG["vocab_size"], (BATCH * SEQ,), generator=g)
+
+
+def torch_step(model, opt, ids, labels):
+    loss = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1), labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def timed(step, rounds: int) -> float:
+    step(-1)  # warm-up
+    times = []
+    for k in range(rounds):
+        t0 = time.perf_counter()
+        step(k)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def dtorch_step_time(mesh_shape, rounds: int) -> float:
+    """One host process per device (each ``cpu_count / devices`` torch threads), in a runtime
+    of its own."""
+    import dtorch
+    from dtorch.models.llama import LlamaForCausalLM
+
+    dtorch.shutdown()
+    dtorch.config.cpu_hosts = mesh_shape[0]
+
+    hf = hf_model()
+    mesh = dtorch.init_device_mesh("cpu", mesh_shape, mesh_dim_names=["dp"])
+    model = LlamaForCausalLM(hf.config, device_mesh=mesh)
+    model.load_state_dict(hf.state_dict())
+    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(k):
+        ids, labels = data(k)
+        inputs = model.place_tokens(ids)
+        logits = model(inputs)
+        target = dtorch.from_torch(labels, device_mesh=inputs.device_mesh,
+                                   placements=inputs.placements)
+        loss = dtorch.nn.functional.cross_entropy(logits.flatten(0, 1), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    seconds = timed(step, rounds)
+    dtorch.shutdown()
+    return seconds
+
+
+def _rank_step(rank, rounds, kind):
+    """On one of 2 gloo ranks: DDP or FSDP2 over half the batch each."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    model = hf_model()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    half = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+
+    def step(k):
+        ids, labels = data(k)
+        labels = labels.view(BATCH, SEQ)[half].flatten()
+        return torch_step(model, opt, ids[half], labels)
+
+    seconds = timed(step, rounds)
+    dist.barrier()
+    return seconds
+
+
+def main(rounds: int) -> None:
+    print(f"Llama {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, batch "
+          f"{BATCH} x seq {SEQ}: one AdamW training step, median of {rounds}")
+    hf = hf_model()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    eager = timed(lambda k: torch_step(hf, opt, *data(k)), rounds)
+    one = dtorch_step_time((1,), rounds)
+    print(f"{'1 device: dtorch / torch eager':36s} {one * 1e3:8.1f} ms vs {eager * 1e3:8.1f} ms"
+          f"  {one / eager:5.2f}x  (goal <= 1.2x)")
+    dp2 = dtorch_step_time((2,), rounds)
+    for kind in ("ddp", "fsdp2"):
+        try:
+            theirs = run_on_gloo_ranks(_rank_step, rounds, kind)
+        except Exception as e:  # noqa: BLE001 - report what could not run
+            print(f"{'dp2: dtorch / ' + kind:36s} {dp2 * 1e3:8.1f} ms vs  n/a ({e})")
+            continue
+        print(f"{'dp2: dtorch / torch ' + kind.upper():36s} {dp2 * 1e3:8.1f} ms vs "
+              f"{theirs * 1e3:8.1f} ms  {dp2 / theirs:5.2f}x  (goal < 1x)")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)

@@ -1,0 +1,256 @@
+"""The tape: which calls made which tensors, and the backward pass that walks it in reverse.
+
+Recording. The client already knows every call's specs, so it records the calls it issues
+(``client/dispatch.issue``) while torch's grad mode is on (``torch.no_grad()`` and
+``torch.inference_mode()`` stop it, as decorators too) and an operand requires grad. A ``Node``
+keeps the operands the kernel read (their blocks stay on the hosts until the backward has run:
+they are what the kernel "saves") and its results' ids and specs. Automatic redistributions
+that an op's rule asks for are recorded as their own nodes, so an op's node always sees the
+layouts its kernel saw. Nothing is recorded before any tensor requires grad (``active``).
+
+Backward. Nodes are visited latest first. An operator's node issues one VJP call
+(``runtime/vjp.py``: the host reruns the forward kernel under torch's autograd); a
+redistribute's node issues the dual redistribute. Gradients are laid out in the *dual* of each
+tensor's layout, which is what makes a device's local VJP its share of the global one:
+
+    forward placement     Shard(d)    Replicate        Partial(sum)
+    gradient placement    Shard(d)    Partial(sum)     Replicate
+
+A Replicate operand used by every device receives each device's contribution, so its gradient
+is their sum (Partial); a Partial operand stands for the sum of its pieces, and each piece's
+gradient is the whole gradient (Replicate). Hence an all-gather's backward is a reduce-scatter,
+an all-reduce's an all-reduce, a chunk's a pad, a pipeline hop's the hop back; a data-parallel
+weight (Replicate on ``dp``) gets a Partial gradient that becomes its ``.grad`` through one
+all-reduce. Gradients reaching a tensor in different layouts are summed after a redistribute;
+a leaf's total is laid out as the leaf before it lands in ``.grad``.
+
+With ``retain_graph=False`` every visited node drops its operands, freeing what it saved.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from ..spec import intern_spec
+from ..tensor import DTYPES, Tensor
+
+active = False  # True once a tensor has required grad: until then recording costs nothing
+_order = itertools.count()
+_SUM = Partial("sum")
+_REPLICATE = Replicate()
+NOT_RECORDED = frozenset({"detach"})  # ops whose result has no history by definition
+
+
+def dual(placement, what: str):
+    """The gradient's placement for a tensor laid out ``placement`` (see the module doc)."""
+    if isinstance(placement, Shard):
+        return placement
+    if placement.is_replicate():
+        return _SUM
+    if placement.reduce_op == "sum":
+        return _REPLICATE
+    raise NotImplementedError(f"dtorch autograd: no gradient through {what}, a "
+                              f"Partial({placement.reduce_op!r}) tensor; redistribute it to "
+                              f"Replicate first")
+
+
+def dual_spec(spec, what: str):
+    return intern_spec(spec.shape, spec.dtype, spec.mesh,
+                       tuple(dual(p, what) for p in spec.placements))
+
+
+DIFFERENTIABLE = frozenset(name for name, d in DTYPES.items()
+                           if d.is_floating_point or d.is_complex)
+
+
+def differentiable(spec) -> bool:
+    return spec.dtype in DIFFERENTIABLE
+
+
+class Node:
+    """One recorded call: ``op`` (an OpDef, or None for a redistribute), the forward's call id,
+    the operands (tensors and scalars, as the kernel read them), which of them need a gradient,
+    and the results' ids and specs."""
+
+    __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs",
+                 "__weakref__")
+
+    def __init__(self, op, call_id, operands, needs, outs):
+        self.order = next(_order)
+        self.op, self.call_id = op, call_id
+        self.operands, self.needs = operands, needs
+        self.out_ids = tuple([t._id for t in outs])
+        self.out_specs = tuple([t._spec for t in outs])
+
+    def name(self) -> str:
+        return "redistribute" if self.op is None else self.op.name
+
+    def __repr__(self) -> str:
+        return f"<dtorch backward of {self.name()}>"
+
+
+def record(bound, operands, outs) -> None:
+    """Called by ``dispatch.issue`` for every call while ``active``: records it when grad mode
+    is on and an operand requires grad; marks its floating results as requiring grad."""
+    if not torch.is_grad_enabled():
+        return
+    needs = tuple([isinstance(o, Tensor) and o.requires_grad for o in operands])
+    if True not in needs or (bound.op is not None and bound.op.name in NOT_RECORDED):
+        return
+    if bound.inplace:
+        target = operands[0]
+        if not target.is_leaf or any(isinstance(o, Tensor) and not o.is_leaf
+                                     for o in operands[1:]):
+            raise NotImplementedError(
+                f"dtorch autograd: {bound.op.name} writes in place into a tensor whose history "
+                f"is recorded; use the out-of-place form (e.g. y = x.add(z) for x.add_(z)), or "
+                f"run it under torch.no_grad()")
+        return  # an update of a leaf (an initialisation, an optimizer step): not recorded
+    node = Node(bound.op, bound.call_id, tuple(operands), needs, outs)
+    for t in outs:
+        if differentiable(t._spec):
+            t._requires_grad = True
+            t._node = node
+
+
+# -- backward -------------------------------------------------------------------------------------
+
+
+def _layout(g, spec):
+    """``g`` laid out as ``spec`` (same mesh, placements), as it is when it already is."""
+    if g._spec.mesh == spec.mesh and g._spec.placements == spec.placements:
+        return g
+    return g.redistribute(device_mesh=spec.mesh, placements=list(spec.placements))
+
+
+def _add(total, g):
+    """Gradients summed, the new one laid out as the first."""
+    return g if total is None else total + _layout(g, total._spec)
+
+
+def _zeros(spec):
+    import dtorch
+
+    return dtorch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device_mesh=spec.mesh,
+                        placements=list(spec.placements))
+
+
+def _vjp(node, grads) -> list:
+    """The operands' gradients (None where not needed) from the results' (None: zero)."""
+    if node.op is None:  # a redistribute: the dual redistribute
+        (g,) = grads
+        source = node.operands[0]._spec
+        return [_layout(_layout(g, dual_spec(node.out_specs[0], "redistribute")),
+                        dual_spec(source, "redistribute"))]
+    from ..client import dispatch, session
+    from ..protocol import COMM, VJP_PREFIX
+    name = node.op.name
+    if node.op.flags & COMM or node.op.kernel is None:
+        raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "
+                                  f"communicates, so the local VJP is not its gradient)")
+    grad_specs = tuple(dual_spec(spec, name) for spec in node.out_specs)
+    grads = [_zeros(spec) if g is None else _layout(g, spec)
+             for g, spec in zip(grads, grad_specs)]
+    needs = tuple(need and differentiable(o._spec) for o, need in zip(node.operands, node.needs))
+    inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in node.operands)
+    s = session.current()
+    key = ("vjp", node.call_id, needs, grad_specs)
+    bound = s.bound.get(key)
+    if bound is None:
+        outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
+        call_id = s.define_call(VJP_PREFIX + str(node.call_id), inputs + grad_specs, outs,
+                                needs, 0)
+        mask = tuple(isinstance(o, Tensor) for o in node.operands) + (True,) * len(grads)
+        bound = s.bound[key] = dispatch.Bound(call_id, outs, mask)
+    with torch.no_grad():
+        result = dispatch.issue(s, bound, (*node.operands, *grads), s.site())
+    found = iter(result if isinstance(result, tuple) else (result,))
+    return [next(found) if need else None for need in needs]
+
+
+def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
+    """Walks the tape back from ``roots`` with their gradients. Accumulates into the leaves'
+    ``.grad`` (``wanted`` None) or returns ``{tensor id: gradient}`` for the tensors in
+    ``wanted`` (``autograd.grad``).
+
+    A leaf's gradient lands in ``.grad`` (its reduction issued: an all-reduce for a
+    data-parallel weight) as soon as the last node that reads the leaf has run its VJP, so
+    the reduction runs on the communication stream while the VJPs issued after it compute."""
+    grads, leaves = {}, {}
+    for t, g in zip(roots, root_grads):
+        if t.is_leaf:
+            leaves[t._id] = (t, _add(leaves.get(t._id, (t, None))[1], g))
+        else:
+            grads[t._id] = _add(grads.get(t._id), g)
+    nodes = _reachable(roots)
+    readers: dict = {}  # leaf id -> how many nodes still to visit read it
+    for node in nodes:
+        for x, need in zip(node.operands or (), node.needs):
+            if need and x.is_leaf:
+                readers[x._id] = readers.get(x._id, 0) + 1
+    found = {}
+    with torch.no_grad():
+        for node in nodes:
+            if node.operands is None:
+                raise RuntimeError("Trying to backward through the graph a second time (or "
+                                   "directly access saved tensors after they have already "
+                                   "been freed); specify retain_graph=True the first time")
+            outs = [grads.pop(i, None) for i in node.out_ids]
+            if wanted is not None:
+                found.update({i: g for i, g in zip(node.out_ids, outs)
+                              if i in wanted and g is not None})
+            in_grads = _vjp(node, outs) if any(g is not None for g in outs) else ()
+            for x, g in zip(node.operands, in_grads):
+                if g is not None and not x.is_leaf:
+                    grads[x._id] = _add(grads.get(x._id), g)
+                elif g is not None:
+                    leaves[x._id] = (x, _add(leaves.get(x._id, (x, None))[1], g))
+            for x, need in zip(node.operands, node.needs):
+                if need and x.is_leaf:
+                    readers[x._id] -= 1
+                    if readers[x._id] == 0 and wanted is None and x._id in leaves:
+                        _land(*leaves.pop(x._id))
+            if not retain_graph:
+                node.operands = None
+        if wanted is not None:
+            found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
+            return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
+        for leaf, g in leaves.values():  # roots that are leaves themselves
+            _land(leaf, g)
+    return {}
+
+
+def _land(leaf, g) -> None:
+    """A leaf's final gradient into its ``.grad``, laid out for it (torch accumulates)."""
+    if not leaf.requires_grad:
+        return
+    g = _layout(g, _grad_spec(leaf))
+    leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def _grad_spec(leaf):
+    """How a leaf's ``.grad`` is laid out: as the leaf, or as its ``grad_placements`` (ZeRO-2
+    sets them: a data-parallel gradient is then reduce-scattered, not all-reduced)."""
+    placements = getattr(leaf, "grad_placements", None)
+    if placements is None:
+        return leaf._spec
+    return intern_spec(leaf._spec.shape, leaf._spec.dtype, leaf._spec.mesh, tuple(placements))
+
+
+def _reachable(roots) -> list:
+    """The nodes behind ``roots``, latest first (a node runs after every later one that reads
+    its results)."""
+    seen, stack = {}, [t._node for t in roots if not t.is_leaf]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        for x in node.operands or ():
+            parent = getattr(x, "_node", None)
+            if parent is not None and id(parent) not in seen:
+                stack.append(parent)
+    return sorted(seen.values(), key=lambda n: n.order, reverse=True)

@@ -1,0 +1,21 @@
+"""Optimizers for dtorch parameters: ``SGD``, ``Adam`` and ``AdamW`` with torch's signatures,
+param groups and ``state_dict`` format, subclassing ``torch.optim.Optimizer`` so that
+``torch.optim.lr_scheduler`` drives them.
+
+Their state (momentum buffers, moments) is dtorch tensors laid out like their parameters, and
+each step issues one update call per parameter (``ops/optim.py``: torch's own single-tensor
+arithmetic on each device's blocks) plus the in-place copy into the parameter; nothing waits.
+
+>>> import dtorch, torch
+>>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+>>> w = dtorch.nn.Parameter(dtorch.ones(4, device_mesh=mesh, placements=[dtorch.Shard(0)]))
+>>> opt = dtorch.optim.SGD([w], lr=0.5)
+>>> (w * w).sum().backward()
+>>> opt.step(); opt.zero_grad()
+>>> w.to_torch()
+tensor([0., 0., 0., 0.])
+"""
+
+from .optimizer import SGD, Adam, AdamW, Optimizer  # noqa: F401
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]

@@ -1,0 +1,260 @@
+"""The optimizers (see the package docstring)."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..ops.registry import issue
+from ..placement import Replicate, Shard
+from ..tensor import Tensor
+
+
+class Optimizer(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` over dtorch parameters: param groups, hooks, ``state_dict``
+    and schedulers are torch's; ``zero_grad`` and the checks on parameters are dtorch's."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{type(self).__name__} optimizes dtorch tensors, but one of "
+                                f"the params is {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf Tensor")
+        for name, default in self.defaults.items():
+            param_group.setdefault(name, default)
+        param_group["params"] = params
+        seen = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) in seen for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append(param_group)
+        for p in params:  # ZeRO-2: backward reduce-scatters the gradient into its chunks
+            p.grad_placements = self.update_layout(p) if self.zero_stage >= 2 else None
+
+    def state_dict(self) -> dict:
+        """torch's format: state keyed by the parameter's index over all groups (torch maps
+        only torch tensors to indices)."""
+        saved = super().state_dict()
+        index: dict = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+        saved["state"] = {index[id(k)] if isinstance(k, Tensor) else k: v
+                          for k, v in saved["state"].items()}
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``; each state tensor (dtorch, on any layout, or torch) is
+        laid out as its parameter is updated."""
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(sg["params"]) for g, sg in zip(groups, saved)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        params = {old: p for g, sg in zip(groups, saved)
+                  for old, p in zip(sg["params"], g["params"])}
+        self.state = collections.defaultdict(dict)
+        for key, values in state_dict["state"].items():
+            if key in params:
+                p = params[key]
+                self.state[p] = {name: self._laid_out(p, v) for name, v in values.items()}
+        self.param_groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved)]
+
+    def _laid_out(self, p: Tensor, value):
+        """A saved state value for parameter ``p``: a tensor laid out as ``_state_like(p)``
+        (the step count, a torch scalar, stays one)."""
+        like = self.update_layout(p)
+        if isinstance(value, Tensor):
+            if value.device_mesh == p.device_mesh and list(value.placements) == like:
+                return value
+            return value.redistribute(device_mesh=p.device_mesh, placements=like)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            import dtorch
+
+            dtype = torch.float32 if self._keeps_master(p) else p.dtype
+            return dtorch.from_torch(value.to(dtype), p.device_mesh, like)
+        return value.clone() if isinstance(value, torch.Tensor) else value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = None if set_to_none else p.grad * 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch's ``step``: ``update_one`` for each parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update_one(p, group, self.state[p])
+        return loss
+
+    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
+        """Issues the update of one parameter (its group's options, its state)."""
+        raise NotImplementedError
+
+    def _apply(self, p: Tensor, state: dict, update, *tensors) -> tuple:
+        """Runs ``update(param, grad, *tensors) -> (new param, *new tensors)`` in ``p``'s
+        update layout (``update_layout``) and copies the new value into ``p``: under ZeRO each
+        device updates its chunk (a local slice of the parameter and gradient) and the chunks
+        are all-gathered; a Partial parameter is updated whole and split back. With master
+        weights, a low-precision ``p`` is updated through its float32 copy ``state["master"]``
+        (the gradient cast up), then rounded into ``p``."""
+        layout = self.update_layout(p)
+
+        def laid_out(t):
+            return t if list(t.placements) == layout else t.redistribute(placements=layout)
+
+        grad = laid_out(p.grad)
+        if self._keeps_master(p):
+            if "master" not in state:
+                state["master"] = laid_out(p).to(torch.float32)
+            new, *rest = update(state["master"], grad.to(torch.float32), *tensors)
+            state["master"] = new
+            new = new.to(p.dtype)
+        else:
+            new, *rest = update(laid_out(p), grad, *tensors)
+        if list(new.placements) != list(p.placements):
+            new = new.redistribute(placements=p.placements)
+        p.copy_(new)
+        return tuple(rest)
+
+    def _keeps_master(self, p: Tensor) -> bool:
+        return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
+
+    def update_layout(self, p: Tensor) -> list:
+        """Where ``p`` is updated and its state lives: its placements, Replicate where it is
+        Partial, and under ZeRO (``zero_stage`` >= 1) sharded on the data-parallel dim, along
+        the first tensor dim no other mesh dim shards (kept Replicate if there is none)."""
+        layout = [Replicate() if q.is_partial() else q for q in p.placements]
+        mesh = p.device_mesh
+        if not self.zero_stage or not mesh.has_dim_name(self.dp_dim):
+            return layout
+        dp = mesh.dim_name_index(self.dp_dim)
+        if mesh.shape[dp] == 1 or layout[dp] != Replicate():
+            return layout
+        taken = {q.dim for q in layout if isinstance(q, Shard)}
+        free = [d for d in range(p.dim()) if d not in taken]
+        if free:
+            layout[dp] = Shard(free[0])
+        return layout
+
+    def _state_like(self, p: Tensor) -> Tensor:
+        """A zero state tensor laid out as ``p`` is updated (float32 beside master weights)."""
+        import dtorch
+
+        dtype = torch.float32 if self._keeps_master(p) else p.dtype
+        return dtorch.zeros(tuple(p.shape), dtype=dtype, device_mesh=p.device_mesh,
+                            placements=self.update_layout(p))
+
+    def _options(self, zero_stage: int, dp_dim: str, master_weights: bool) -> None:
+        """ZeRO through placements: stage 1 shards the state on ``dp_dim``, stage 2 the
+        gradients too (``backward`` reduce-scatters them into ``.grad`` instead of
+        all-reducing them). ``master_weights``: bfloat16/float16 parameters are updated
+        through float32 copies, with float32 state."""
+        self.master_weights = bool(master_weights)
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (stage 3, "
+                             f"sharded parameters, is not supported yet)")
+        self.zero_stage, self.dp_dim = zero_stage, dp_dim
+
+
+def _check(value: float, name: str, low: float = 0.0) -> None:
+    if not value >= low:
+        raise ValueError(f"Invalid {name}: {value}")
+
+
+class SGD(Optimizer):
+    """torch's ``SGD``: momentum, dampening, nesterov, weight decay, maximize."""
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 zero_stage: int = 0, dp_dim: str = "dp",
+                 master_weights: bool = False):
+        _check(lr, "learning rate")
+        _check(momentum, "momentum value")
+        _check(weight_decay, "weight_decay value")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        self._options(zero_stage, dp_dim, master_weights)  # before the groups are added
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov,
+                                      maximize=maximize))
+
+    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
+        first = "momentum_buffer" not in state
+        buf = state["momentum_buffer"] if not first else (
+            self._state_like(p) if group["momentum"] else None)
+
+        def update(param, grad, buffer, group=group, first=first):
+            # no momentum: the gradient stands in for the buffer, which the update ignores
+            buffer = grad if buffer is None else buffer
+            return issue("sgd_update", (param, grad, buffer, float(group["lr"])),
+                         (group["momentum"], group["dampening"], group["weight_decay"],
+                          group["nesterov"], group["maximize"], first))
+
+        (buf,) = self._apply(p, state, update, buf)
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = buf
+
+
+class Adam(Optimizer):
+    """torch's ``Adam`` (``amsgrad`` not supported yet); ``AdamW`` decouples the decay."""
+
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 zero_stage: int = 0, dp_dim: str = "dp",
+                 master_weights: bool = False):
+        _check(lr, "learning rate")
+        _check(eps, "epsilon value")
+        _check(weight_decay, "weight_decay value")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if amsgrad:
+            raise NotImplementedError(f"dtorch.optim.{type(self).__name__}: amsgrad=True is "
+                                      f"not supported yet")
+        self._options(zero_stage, dp_dim, master_weights)  # before the groups are added
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, amsgrad=amsgrad,
+                                      maximize=maximize))
+
+    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = self._state_like(p)
+            state["exp_avg_sq"] = self._state_like(p)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+
+        def update(param, grad, exp_avg, exp_avg_sq, group=group, step=state["step"]):
+            return issue("adam_update",
+                         (param, grad, exp_avg, exp_avg_sq, float(step), float(group["lr"])),
+                         (beta1, beta2, group["eps"], group["weight_decay"],
+                          group["maximize"], self.decoupled))
+
+        state["exp_avg"], state["exp_avg_sq"] = self._apply(
+            p, state, update, state["exp_avg"], state["exp_avg_sq"])
+
+
+class AdamW(Adam):
+    """torch's ``AdamW``: Adam with decoupled weight decay (default 1e-2)."""
+
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 zero_stage: int = 0, dp_dim: str = "dp",
+                 master_weights: bool = False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         zero_stage=zero_stage, dp_dim=dp_dim, master_weights=master_weights)

@@ -1,0 +1,246 @@
+"""Autograd on distributed tensors, against torch's gradients on the same values: ops over
+placements and meshes, the layouts gradients take (the duality), grad modes, and the tape's
+lifetime."""
+
+import gc
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from dtorch.autograd import tape
+from dtorch.ops.registry import REGISTRY
+from dtorch.protocol import COMM
+
+F = dtorch.nn.functional
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+
+@pytest.fixture(scope="module")
+def mesh2():
+    return dtorch.DeviceMesh("cpu", [0, 1])
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])
+
+
+def leaves(values, mesh, placements):
+    """torch leaves and dtorch leaves of the same values."""
+    ts = [v.clone().requires_grad_() for v in values]
+    ds = [dtorch.from_torch(v, device_mesh=mesh, placements=p).requires_grad_()
+          for v, p in zip(values, placements)]
+    return ts, ds
+
+
+def check_grads(fn, values, mesh, placements, lib_fn=None, atol=1e-5):
+    """``fn(lib, *xs)`` reduced to a scalar: the gradients equal torch's, and each ``.grad``
+    is laid out as its leaf."""
+    ts, ds = leaves(values, mesh, placements)
+    fn(torch, *ts).backward()
+    out = fn(dtorch, *ds)
+    out.backward()
+    for t, d in zip(ts, ds):
+        assert d.grad is not None and d.grad.placements == d.placements
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=atol, rtol=1e-5)
+
+
+def g(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# (name, function of (lib, *inputs) -> scalar, input shapes, layouts the op takes on a 1-D mesh)
+P_ = Partial()  # a leaf that is the sum of its pieces: each piece's gradient is the whole
+CASES = [
+    ("mul-add", lambda lib, a, b: (a * b + a).sum(), [(5, 4), (5, 4)],
+     [(R, R), (S0, S0), (S1, S1)]),
+    ("broadcast", lambda lib, a, b: (a * b).sum(), [(5, 4), (4,)], [(R, R), (S0, R), (S1, S0)]),
+    ("div-sub", lambda lib, a, b: (a / (b.abs() + 1) - b).sum(), [(5, 4), (5, 4)],
+     [(R, R), (S0, S0), (S1, S1)]),
+    ("unary", lambda lib, a: (a.exp() + a.tanh() + a.sin() * a.cos()).sum(), [(7, 3)],
+     [(R,), (S0,), (S1,)]),
+    ("pow-mean", lambda lib, a: a.pow(2).mean(), [(5, 4)], [(R,), (S0,), (S1,)]),
+    ("matmul", lambda lib, a, b: (a @ b).sum(), [(5, 4), (4, 3)],
+     [(R, R), (S0, R), (S1, S0), (R, S1)]),
+    ("softmax", lambda lib, a: lib.softmax(a, -1)[:, 1:3].sum() + lib.softmax(a, -1).pow(3).sum(),
+     [(5, 4)], [(R,), (S0,)]),
+    ("log-softmax", lambda lib, a: lib.log_softmax(a, 1)[:, 0].sum(), [(5, 4)], [(R,), (S0,)]),
+    ("reductions", lambda lib, a: a.sum(0).pow(2).sum() + a.amax(1).sum(), [(6, 4)],
+     [(R,), (S0,)]),
+    ("shape", lambda lib, a: (a.t().reshape(2, 10)[1] ** 3).sum(), [(5, 4)], [(R,)]),
+    ("transpose", lambda lib, a: (a.t() @ a).sum(), [(5, 4)], [(R,), (S0,)]),
+    ("cat-slice", lambda lib, a, b: (lib.cat([a, b], 0)[1:-1] ** 2).sum(), [(5, 4), (3, 4)],
+     [(R, R), (S1, S1)]),
+    ("where", lambda lib, a, b: lib.where(a > 0, a, b * 2).sum(), [(5, 4), (5, 4)],
+     [(R, R), (S0, S0)]),
+    ("silu-gelu", lambda lib, a: (lib.nn.functional.silu(a) + lib.nn.functional.gelu(a)).sum(),
+     [(5, 4)], [(R,), (S1,)]),
+    ("layer-norm", lambda lib, a, w: (lib.nn.functional.layer_norm(a, (4,), w) ** 2).sum(),
+     [(6, 4), (4,)], [(R, R), (S0, R)]),
+    ("partial-input", lambda lib, a: (a * 3 + a).sum(), [(5, 4)], [(P_,)]),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,layouts", CASES, ids=[c[0] for c in CASES])
+def test_gradients_equal_torch(name, fn, shapes, layouts, mesh2):
+    values = [g(*s, seed=k) for k, s in enumerate(shapes)]
+    for layout in layouts:
+        check_grads(fn, values, mesh2, [[p] for p in layout])
+
+
+def test_uneven_shards_and_a_third_device():
+    mesh = dtorch.DeviceMesh("cpu", [0, 1, 2])
+    values = [g(7, 5), g(5, 4, seed=1)]
+    check_grads(lambda lib, a, b: ((a @ b).relu() ** 2).sum(), values, mesh, [[S0], [R]])
+    check_grads(lambda lib, a, b: (a @ b * 2).sum(), values, mesh, [[S1], [S0]])  # a Partial
+
+
+def test_data_and_tensor_parallel_mlp_against_torch(grid):
+    """A weight Replicate on dp gets a Partial gradient there: one all-reduce into ``.grad``.
+    Column- then row-parallel on tp: the Partial product's backward needs no collective."""
+    w1, w2, x = g(8, 5), g(3, 8, seed=1), g(6, 5, seed=2)
+    ts, (dw1, dw2) = leaves([w1, w2], grid, [[R, S0], [R, S1]])
+    tx = x
+    ref = (torch.nn.functional.gelu(tx @ ts[0].T) @ ts[1].T).pow(2).mean()
+    ref.backward()
+    dx = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
+    out = (F.gelu(dx @ dw1.T) @ dw2.T).redistribute(placements=[S0, R])
+    loss = out.pow(2).mean()
+    loss.backward()
+    torch.testing.assert_close(loss.to_torch(), ref.detach())
+    for t, d in zip(ts, (dw1, dw2)):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
+    assert dw1.grad.placements == [R, S0] and dw2.grad.placements == [R, S1]
+
+
+def test_duality_of_layouts():
+    assert tape.dual(Shard(1), "x") == Shard(1)
+    assert tape.dual(R, "x") == Partial("sum")
+    assert tape.dual(Partial("sum"), "x") == R
+    with pytest.raises(NotImplementedError, match=r"Partial\('max'\)"):
+        tape.dual(Partial("max"), "x")
+
+
+def test_gradient_through_redistributes_and_a_pipeline_hop(mesh2):
+    """all-gather <-> reduce-scatter, chunk <-> pad, and a hop to another mesh and back."""
+    other = dtorch.DeviceMesh("cpu", [2, 3])
+    a = g(6, 4)
+    (ta,), (da,) = leaves([a], mesh2, [[S0]])
+    (ta.sin() * 3).sum().backward()
+    h = da.redistribute(placements=[R]).redistribute(placements=[S1])
+    h = h.redistribute(device_mesh=other, placements=h.placements).sin()
+    (h * 3).sum().backward()
+    assert da.grad.placements == [S0]
+    torch.testing.assert_close(da.grad.to_torch(), ta.grad)
+
+
+def test_autograd_grad_of_a_non_leaf_and_accumulation(mesh2):
+    x = dtorch.from_torch(g(4, 3), device_mesh=mesh2, placements=[S0]).requires_grad_()
+    y = x * 2
+    z = (y * y).sum()
+    (gy,) = dtorch.autograd.grad(z, [y], retain_graph=True)
+    torch.testing.assert_close(gy.to_torch(), 2 * y.to_torch())
+    assert x.grad is None  # grad() leaves .grad alone
+    z.backward()
+    z2 = (x * 2).pow(2).sum()
+    z2.backward()  # a second graph: accumulates into .grad
+    torch.testing.assert_close(x.grad.to_torch(), 16 * x.to_torch())
+
+
+def test_backward_twice_needs_retain_graph(mesh2):
+    x = dtorch.ones(3, device_mesh=mesh2, requires_grad=True)
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    torch.testing.assert_close(x.grad.to_torch(), torch.full((3,), 4.0))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+
+
+def test_grad_modes_stop_recording_as_in_torch(mesh2):
+    w = dtorch.ones(3, device_mesh=mesh2, requires_grad=True)
+    with torch.no_grad():
+        assert not (w * 2).requires_grad
+    with dtorch.no_grad():
+        assert not (w * 2).requires_grad
+
+    @torch.inference_mode()
+    def infer(v):
+        return v * 2
+
+    assert not infer(w).requires_grad and (w * 2).requires_grad
+    with torch.no_grad():
+        with dtorch.enable_grad():
+            assert (w * 2).requires_grad
+    y = (w * 2).detach()
+    assert not y.requires_grad and y.is_leaf and w.is_leaf and not (w * 2).is_leaf
+    assert not (w > 0).requires_grad  # a bool result has no gradient
+
+
+def test_gradient_argument_and_errors(mesh2):
+    x = dtorch.from_torch(g(4), device_mesh=mesh2, placements=[S0]).requires_grad_()
+    y = x * 3
+    with pytest.raises(RuntimeError, match="only for scalar outputs"):
+        y.backward()
+    y.backward(torch.arange(4.0))
+    torch.testing.assert_close(x.grad.to_torch(), 3 * torch.arange(4.0))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        dtorch.ones(2, device_mesh=mesh2).sum().backward()
+    with pytest.raises(RuntimeError, match="only Tensors of floating point"):
+        dtorch.arange(3, device_mesh=mesh2).requires_grad_()
+    z = x * 2
+    with pytest.raises(NotImplementedError, match="writes in place"):
+        z.add_(1)
+    with torch.no_grad():
+        x.add_(1)  # an update of a leaf, as an optimizer makes
+
+
+def test_every_registry_op_has_a_gradient_or_names_why_not():
+    """The list of which ops differentiate through the hosts' VJP (a kernel run again under
+    torch's autograd), which are composites (their parts are recorded), and which refuse."""
+    by_vjp, composite, refused = [], [], []
+    for name, op in sorted(REGISTRY.items()):
+        if op.kernel is None:
+            composite.append(name)
+        elif op.flags & COMM:
+            refused.append(name)
+        else:
+            by_vjp.append(name)
+    assert {"add", "matmul", "softmax", "scaled_dot_product_attention", "embedding",
+            "cross_entropy", "rms_norm", "vocab_parallel_embedding"} <= set(by_vjp)
+    assert {"from_torch", "zeros_like"} <= set(composite)
+    assert len(by_vjp) > 150
+    print(f"\nVJP: {len(by_vjp)} ops; composite: {len(composite)}; refused: {refused}")
+
+
+def test_a_communicating_kernel_refuses_with_its_name(mesh2):
+    name = next(n for n, op in REGISTRY.items() if op.flags & COMM and op.kernel is not None)
+    node = tape.Node(REGISTRY[name], 0, (), (), ())
+    with pytest.raises(NotImplementedError, match=name):
+        tape._vjp(node, [None])
+
+
+def test_saved_blocks_are_freed_after_backward(mesh2):
+    """What the forward keeps for the backward goes with it: memory is flat over steps."""
+    w = dtorch.from_torch(g(64, 64), device_mesh=mesh2, placements=[S0]).requires_grad_()
+    x = dtorch.from_torch(g(32, 64, seed=1), device_mesh=mesh2, placements=[R])
+
+    def step():
+        loss = (x @ w.T).tanh().pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            w.sub_(w.grad * 0.1)
+        w.grad = None
+
+    for _ in range(10):
+        step()
+    gc.collect()  # other tests' garbage must not land inside the window
+    before = dtorch.default_graph.get_memory_stats(mesh2)
+    for _ in range(50):
+        step()
+    gc.collect()
+    after = dtorch.default_graph.get_memory_stats(mesh2)
+    for d in mesh2.devices:
+        assert after.find(d).memory_allocated == before.find(d).memory_allocated

@@ -1,0 +1,160 @@
+"""dtorch.models.llama against HF transformers' LlamaForCausalLM with the same random weights
+(built locally from a small config: no hub), on every parallel layout the model supports."""
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.models.llama import LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+DIMS = ["dp", "tp", "pp", "ulysess_cp", "ring_cp"]
+# (dp, tp, pp, ulysess_cp, ring_cp)
+LAYOUTS = {
+    "one": (1, 1, 1, 1, 1),
+    "dp2": (2, 1, 1, 1, 1),
+    "tp2": (1, 2, 1, 1, 1),
+    "pp2": (1, 1, 2, 1, 1),
+    "ulysses2": (1, 1, 1, 2, 1),
+    "ring2": (1, 1, 1, 1, 2),
+    "tp2-pp2-ulysses2": (1, 2, 2, 2, 1),
+    "dp2-tp2-pp2-ulysses2": (2, 2, 2, 2, 1),
+    "dp2-tp2-pp2-ring2": (2, 2, 2, 1, 2),
+}
+
+
+def config(**overrides):
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                rms_norm_eps=1e-6)
+    base.update(overrides)
+    return transformers.LlamaConfig(**base)
+
+
+def hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1: random ones test that they load
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def mesh_of(layout):
+    return dtorch.init_device_mesh("cpu", LAYOUTS[layout], mesh_dim_names=DIMS)
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    """4 query heads read 2 key/value heads."""
+    return hf_model(config())
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    g = torch.Generator().manual_seed(7)
+    # 3 sequences (dp2 splits them 2 + 1) of 9 tokens (CP 2 splits them 5 + 4)
+    return torch.randint(0, 96, (3, 9), generator=g)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_equal_hf(layout, gqa, tokens):
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of(layout))
+    model.load_state_dict(gqa.state_dict())
+    logits = model(tokens)
+    assert isinstance(logits, dtorch.Tensor) and logits.shape == (3, 9, 96)
+    expected = hf_logits(gqa, tokens)
+    if layout == "one":  # the same kernels in the same order: bit for bit
+        assert torch.equal(logits.to_torch(), expected)
+    else:
+        torch.testing.assert_close(logits.to_torch(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2", "tp2", "pp2", "ulysses2", "ring2",
+                                    "tp2-pp2-ulysses2"])
+def test_greedy_generate_equals_hf(layout, gqa, tokens):
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of(layout))
+    model.load_state_dict(gqa.state_dict())
+    expected = gqa.generate(tokens, max_new_tokens=6, do_sample=False,
+                            attention_mask=torch.ones_like(tokens), pad_token_id=0)
+    assert torch.equal(model.generate(tokens, max_new_tokens=6, pad_token_id=0), expected)
+
+
+def test_generate_stops_at_eos_as_hf(gqa, tokens):
+    """A sequence that emits EOS is padded after it, and decoding stops once all have."""
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of("one"))
+    model.load_state_dict(gqa.state_dict())
+    # the EOS: the token the first sequence emits third, so it ends early
+    free = model.generate(tokens, max_new_tokens=8, eos_token_id=[])
+    eos = int(free[0, tokens.shape[1] + 2])
+    expected = gqa.generate(tokens, max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                            pad_token_id=5, attention_mask=torch.ones_like(tokens))
+    got = model.generate(tokens, max_new_tokens=8, eos_token_id=eos, pad_token_id=5)
+    assert torch.equal(got, expected)
+    assert (got[0, tokens.shape[1] + 3:] == 5).all()
+
+
+def test_multi_head_attention_with_tied_embeddings(tokens):
+    """No GQA (as many key/value heads as query heads), the LM head tied to the embedding and
+    held by another pipeline stage."""
+    hf = hf_model(config(num_key_value_heads=4, tie_word_embeddings=True), seed=1)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    model = LlamaForCausalLM(hf.config, device_mesh=mesh_of("tp2-pp2-ulysses2"))
+    assert model.load_state_dict(hf.state_dict()).missing_keys == []
+    assert "lm_head.weight" not in model.state_dict()
+    torch.testing.assert_close(model(tokens).to_torch(), hf_logits(hf, tokens), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_from_pretrained_reads_an_hf_checkpoint(tmp_path, gqa, tokens):
+    gqa.save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, device_mesh=mesh_of("tp2"))
+    assert model.model.layers[0].self_attn.q_proj.weight.placements[1] == dtorch.Shard(0)
+    torch.testing.assert_close(model(tokens).to_torch(), hf_logits(gqa, tokens), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_logits_follow_a_dtorch_input(gqa, tokens):
+    """A dtorch input on some mesh: the logits come back there, laid out as the input."""
+    mesh = mesh_of("dp2-tp2-pp2-ring2")
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh)
+    model.load_state_dict(gqa.state_dict())
+    other = dtorch.DeviceMesh("cpu", [3, 5])
+    ids = dtorch.from_torch(tokens, device_mesh=other, placements=[dtorch.Shard(0)])
+    logits = model(ids)
+    assert logits.device_mesh == other and logits.placements == [dtorch.Shard(0)]
+    torch.testing.assert_close(logits.to_torch(), hf_logits(gqa, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_checkpoint_matches_hf_in_bfloat16(tmp_path, gqa, tokens):
+    """Both load a float32 checkpoint as bfloat16 (the RoPE frequencies stay float32 in
+    both)."""
+    gqa.save_pretrained(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM.from_pretrained(tmp_path, device_mesh=mesh_of("one"),
+                                             dtype=torch.bfloat16)
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(logits.to_torch(), hf_logits(hf, tokens))
+
+
+def test_refusals_name_the_fix(gqa):
+    with pytest.raises(ValueError, match=r"heads \(4\) and key/value heads \(2\) to divide by 4"):
+        LlamaForCausalLM(gqa.config, device_mesh=dtorch.init_device_mesh(
+            "cpu", (4,), mesh_dim_names=["tp"]))
+    with pytest.raises(ValueError, match="expert"):
+        LlamaForCausalLM(gqa.config, device_mesh=dtorch.init_device_mesh(
+            "cpu", (2,), mesh_dim_names=["expert"]))
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of("one"))
+    with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="greedy"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), do_sample=True)
+    assert model(torch.zeros(1, 3, dtype=torch.long)).shape == (1, 3, 96)  # still usable
