@@ -3,7 +3,8 @@
     python benchmarks/bench_train.py [rounds=5]
 
 Measured in this one invocation, medians over ``rounds`` steps after a warm-up:
-1. 1-device mesh against HF's model in torch eager, in this process. Goal <= 1.2x.
+1. 1-device mesh against HF's model in torch eager, in this process, the two stepping in
+   alternation. Goal <= 1.2x.
 2. a dp2 mesh (2 devices, one host process each) against torch DDP and FSDP2
    (``fully_shard``) on 2 gloo ranks, each rank half the batch. Goal: faster than both.
 
@@ -59,9 +60,10 @@ def timed(step, rounds: int) -> float:
     return statistics.median(times)
 
 
-def dtorch_step_time(mesh_shape, rounds: int) -> float:
+def dtorch_step_time(mesh_shape, rounds: int, beside=None) -> float:
     """One host process per device (each ``cpu_count / devices`` torch threads), in a runtime
-    of its own."""
+    of its own. ``beside(k)``: a step of the baseline, timed in alternation with dtorch's
+    (returns both medians)."""
     import dtorch
     from dtorch.models.llama import LlamaForCausalLM
 
@@ -86,7 +88,17 @@ def dtorch_step_time(mesh_shape, rounds: int) -> float:
         opt.zero_grad()
         return loss.item()
 
-    seconds = timed(step, rounds)
+    if beside is None:
+        seconds = timed(step, rounds)
+    else:
+        step(-1), beside(-1)
+        mine, theirs = [], []
+        for k in range(rounds):
+            for fn, times in ((step, mine), (beside, theirs)):
+                t0 = time.perf_counter()
+                fn(k)
+                times.append(time.perf_counter() - t0)
+        seconds = statistics.median(mine), statistics.median(theirs)
     dtorch.shutdown()
     return seconds
 
@@ -127,8 +139,7 @@ def main(rounds: int) -> None:
           f"{BATCH} x seq {SEQ}: one AdamW training step, median of {rounds}")
     hf = hf_model()
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
-    eager = timed(lambda k: torch_step(hf, opt, *data(k)), rounds)
-    one = dtorch_step_time((1,), rounds)
+    one, eager = dtorch_step_time((1,), rounds, lambda k: torch_step(hf, opt, *data(k)))
     print(f"{'1 device: dtorch / torch eager':36s} {one * 1e3:8.1f} ms vs {eager * 1e3:8.1f} ms"
           f"  {one / eager:5.2f}x  (goal <= 1.2x)")
     dp2 = dtorch_step_time((2,), rounds)

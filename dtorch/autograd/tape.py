@@ -58,8 +58,12 @@ def dual(placement, what: str):
 
 
 def dual_spec(spec, what: str):
+    """The gradient's spec of a tensor laid out as ``spec``. A mesh dim of one device keeps its
+    placement: Replicate and a Partial of one piece are the same there, and keeping it spares
+    an all-reduce over a group of one."""
     return intern_spec(spec.shape, spec.dtype, spec.mesh,
-                       tuple(dual(p, what) for p in spec.placements))
+                       tuple(p if n == 1 and not p.is_partial() else dual(p, what)
+                             for p, n in zip(spec.placements, spec.mesh.shape)))
 
 
 DIFFERENTIABLE = frozenset(name for name, d in DTYPES.items()
@@ -97,9 +101,15 @@ def record(bound, operands, outs) -> None:
     is on and an operand requires grad; marks its floating results as requiring grad."""
     if not torch.is_grad_enabled():
         return
-    needs = tuple([isinstance(o, Tensor) and o.requires_grad for o in operands])
-    if True not in needs or (bound.op is not None and bound.op.name in NOT_RECORDED):
+    for o in operands:  # the common case, nothing requires grad, in the fewest steps
+        if isinstance(o, Tensor) and getattr(o, "_requires_grad", False):
+            break
+    else:
         return
+    if bound.op is not None and bound.op.name in NOT_RECORDED:
+        return
+    needs = tuple([isinstance(o, Tensor) and getattr(o, "_requires_grad", False)
+                   for o in operands])
     if bound.inplace:
         target = operands[0]
         if not target.is_leaf or any(isinstance(o, Tensor) and not o.is_leaf
@@ -191,7 +201,7 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
         for x, need in zip(node.operands or (), node.needs):
             if need and x.is_leaf:
                 readers[x._id] = readers.get(x._id, 0) + 1
-    found = {}
+    found, buckets = {}, Buckets()
     with torch.no_grad():
         for node in nodes:
             if node.operands is None:
@@ -212,22 +222,76 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
                 if need and x.is_leaf:
                     readers[x._id] -= 1
                     if readers[x._id] == 0 and wanted is None and x._id in leaves:
-                        _land(*leaves.pop(x._id))
+                        buckets.land(*leaves.pop(x._id))
             if not retain_graph:
                 node.operands = None
         if wanted is not None:
             found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
             return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
         for leaf, g in leaves.values():  # roots that are leaves themselves
-            _land(leaf, g)
+            buckets.land(leaf, g)
+        buckets.flush()
     return {}
 
 
-def _land(leaf, g) -> None:
-    """A leaf's final gradient into its ``.grad``, laid out for it (torch accumulates)."""
-    if not leaf.requires_grad:
-        return
-    g = _layout(g, _grad_spec(leaf))
+BUCKET_BYTES = 4 << 20
+
+
+class Buckets:
+    """Final leaf gradients on their way into ``.grad``. Those whose layout change is only
+    all-reduces (Partial to Replicate, nothing sharded: a data-parallel weight's gradient) wait
+    in a bucket per (mesh, dtype, layouts) and go as one all-reduce of their concatenation once
+    the bucket holds ``BUCKET_BYTES`` or the walk ends: small gradients then pay one collective's
+    latency, not one each. Each bucket is issued as soon as it fills, so it runs on the
+    communication stream while the rest of the backward computes. The others land at once."""
+
+    def __init__(self):
+        self.open: dict = {}  # key -> [(leaf, g)], bytes
+
+    def land(self, leaf, g) -> None:
+        if not leaf.requires_grad:
+            return
+        target = _grad_spec(leaf)
+        if not _reduces_only(g._spec, target):
+            return _accumulate(leaf, _layout(g, target))
+        key = (target.mesh, target.dtype, g._spec.placements, target.placements)
+        entries, size = self.open.get(key, ([], 0))
+        entries.append((leaf, g))
+        size += g.numel() * g.dtype.itemsize
+        self.open[key] = (entries, size)
+        if size >= BUCKET_BYTES:
+            self._reduce(self.open.pop(key)[0])
+
+    def flush(self) -> None:
+        for entries, _ in self.open.values():
+            self._reduce(entries)
+        self.open = {}
+
+    @staticmethod
+    def _reduce(entries) -> None:
+        import dtorch
+
+        if len(entries) == 1:
+            leaf, g = entries[0]
+            return _accumulate(leaf, _layout(g, _grad_spec(leaf)))
+        target = _grad_spec(entries[0][0])
+        flat = dtorch.cat([g.reshape(-1) for _, g in entries])
+        flat = flat.redistribute(placements=list(target.placements))
+        pieces = flat.split([g.numel() for _, g in entries])
+        for (leaf, g), piece in zip(entries, pieces):
+            _accumulate(leaf, piece.view(tuple(g.shape)))
+
+
+def _reduces_only(src, dst) -> bool:
+    """Whether ``src`` becomes ``dst`` by all-reduces alone (Partial sums to Replicate, the
+    other mesh dims Replicate on both), on one mesh."""
+    return src.mesh == dst.mesh and src.placements != dst.placements and all(
+        d.is_replicate() and (s.is_replicate() or (s.is_partial() and s.reduce_op == "sum"))
+        for s, d in zip(src.placements, dst.placements))
+
+
+def _accumulate(leaf, g) -> None:
+    """``g`` into ``leaf.grad`` (torch adds to a gradient already there)."""
     leaf.grad = g if leaf.grad is None else leaf.grad + g
 
 

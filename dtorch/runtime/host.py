@@ -90,6 +90,7 @@ class HostCall:
             forward = host.calls[int(name[len(P.VJP_PREFIX):])]
             self.fn, self.uses_context = vjp_kernel(forward), True
             kwargs, self.comm_dims = {"needs": tuple(P.unpack_static(static))}, forward.comm_dims
+            name = f"{forward.name} (backward)"  # how its errors name it
         else:
             op = registry.lookup(name)
             self.fn, self.uses_context = op.kernel, op.uses_context
