@@ -25,6 +25,8 @@ import time
 
 os.environ.setdefault("DTORCH_CPU_HOSTS", "2")  # device d runs in host d % 2: one per stage
 
+import torch  # noqa: E402
+
 import dtorch  # noqa: E402
 from dtorch import profiler  # noqa: E402
 
@@ -49,6 +51,7 @@ class Stage(dtorch.nn.Module):
         return h
 
 
+@torch.no_grad()  # a forward-only benchmark: no autograd tape
 def run(stages, x, m):
     # one forward pass per timing: a second one would fill the first one's drain bubble, and
     # the ideal below is for one batch
