@@ -205,39 +205,60 @@ def test_a_thousand_steps_keep_memory_flat():
         assert after.find(d).memory_allocated == before.find(d).memory_allocated
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "dp2-tp2-pp2"])
+# layout -> (mesh sizes over (dp, tp, pp, ulysess_cp, ring_cp), micro-batches, ZeRO stage)
+TRAIN_LAYOUTS = {
+    "one": ((1, 1, 1, 1, 1), 1, 0),
+    "dp2": ((2, 1, 1, 1, 1), 1, 0),
+    "tp2": ((1, 2, 1, 1, 1), 1, 0),
+    "dp2-tp2": ((2, 2, 1, 1, 1), 1, 0),
+    "pp2-4-microbatches": ((1, 1, 2, 1, 1), 4, 0),
+    "dp2-zero1": ((2, 1, 1, 1, 1), 1, 1),
+    "dp2-zero2": ((2, 1, 1, 1, 1), 1, 2),
+    "dp2-tp2-pp2": ((2, 2, 2, 1, 1), 1, 0),
+}
+
+
+@pytest.mark.parametrize("layout", list(TRAIN_LAYOUTS))
 def test_llama_trains_as_hf(layout):
-    """Gradients of a cross-entropy loss, then AdamW steps, equal HF's model's."""
-    transformers = pytest.importorskip("transformers")
+    """20 AdamW steps on a cross-entropy loss: the first step's gradients, every loss and the
+    final weights equal HF's model trained in torch on one device. With micro-batches, each
+    one's loss (a quarter of the mean) is backpropagated as it is issued, the stages overlapping,
+    and the gradients accumulate."""
+    pytest.importorskip("transformers")
     import test_llama as L
 
+    sizes, microbatches, zero = TRAIN_LAYOUTS[layout]
     hf = L.hf_model(L.config())
-    mesh = dtorch.init_device_mesh("cpu", {"dp2": (2, 1, 1, 1, 1), "tp2": (1, 2, 1, 1, 1),
-                                           "pp2": (1, 1, 2, 1, 1),
-                                           "dp2-tp2-pp2": (2, 2, 2, 1, 1)}[layout],
-                                   mesh_dim_names=L.DIMS)
+    mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=L.DIMS)
     model = L.LlamaForCausalLM(hf.config, device_mesh=mesh)
     model.load_state_dict(hf.state_dict())
-    opt_t = torch.optim.AdamW(hf.parameters(), lr=1e-2)
-    opt_d = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_t = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    opt_d = dtorch.optim.AdamW(model.parameters(), lr=1e-3, zero_stage=zero)
     g = torch.Generator().manual_seed(3)
-    for step in range(2):
-        ids = torch.randint(0, 96, (3, 9), generator=g)
-        labels = torch.randint(0, 96, (27,), generator=g)
-        expected = torch.nn.functional.cross_entropy(hf(ids).logits.flatten(0, 1), labels)
+    for step in range(20):
+        ids = torch.randint(0, 96, (4, 9), generator=g)
+        labels = torch.randint(0, 96, (4, 9), generator=g)
+        expected = torch.nn.functional.cross_entropy(hf(ids).logits.flatten(0, 1),
+                                                     labels.flatten())
         expected.backward()
-        logits = model(ids)
-        loss = dtorch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), dtorch.from_torch(labels, device_mesh=logits.device_mesh))
-        loss.backward()
+        losses = []
+        for part, part_labels in zip(ids.chunk(microbatches), labels.chunk(microbatches)):
+            inputs = model.place_tokens(part)
+            logits = model(inputs)
+            target = dtorch.from_torch(part_labels, device_mesh=inputs.device_mesh,
+                                       placements=inputs.placements).flatten()
+            loss = dtorch.nn.functional.cross_entropy(logits.flatten(0, 1), target)
+            (loss / microbatches).backward()
+            losses.append(loss)
         if step == 0:
             for (name, p), (_, q) in zip(model.named_parameters(), hf.named_parameters()):
-                torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-5, rtol=1e-4,
+                torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5,
                                            msg=name)
         opt_t.step(), opt_d.step()
         opt_t.zero_grad(), opt_d.zero_grad()
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert_same_params(model, hf, atol=1e-4)
+        got = sum(v.item() for v in losses) / microbatches
+        assert got == pytest.approx(expected.item(), rel=1e-5), step
+    assert_same_params(model, hf, atol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
