@@ -38,6 +38,7 @@ INPLACE = 1  # writes operand 0 and returns it
 VIEW = 2  # output aliases operand 0's storage
 IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
+RECORD = 16  # autograd records it: the host keeps its autograd graph for the backward
 
 STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"), not an operator
 VJP_PREFIX = "vjp:"  # DefineCall.op of a vector-Jacobian product ("vjp:<forward call id>")

@@ -198,8 +198,8 @@ def test_gradient_argument_and_errors(mesh2):
 
 
 def test_every_registry_op_has_a_gradient_or_names_why_not():
-    """The list of which ops differentiate through the hosts' VJP (a kernel run again under
-    torch's autograd), which are composites (their parts are recorded), and which refuse."""
+    """The list of which ops differentiate through the hosts' VJP (torch's autograd of the
+    graph kept from the kernel), which are composites (their parts are recorded), and which refuse."""
     by_vjp, composite, refused = [], [], []
     for name, op in sorted(REGISTRY.items()):
         if op.kernel is None:

@@ -2,14 +2,16 @@
 
 Recording. The client already knows every call's specs, so it records the calls it issues
 (``client/dispatch.issue``) while torch's grad mode is on (``torch.no_grad()`` and
-``torch.inference_mode()`` stop it, as decorators too) and an operand requires grad. A ``Node``
-keeps the operands the kernel read (their blocks stay on the hosts until the backward has run:
-they are what the kernel "saves") and its results' ids and specs. Automatic redistributions
+``torch.inference_mode()`` stop it, as decorators too) and an operand requires grad. The hosts run a
+recorded kernel with autograd on and keep its graph (``runtime/vjp.py``): what torch's autograd
+saves stays on the devices until the backward has used it. A ``Node`` keeps the leaves among
+the operands, a ``Ref`` (id, spec, node) of the others, its results' ids and specs, and the key
+of the kept graph; dropping the node releases the key. Automatic redistributions
 that an op's rule asks for are recorded as their own nodes, so an op's node always sees the
 layouts its kernel saw. Nothing is recorded before any tensor requires grad (``active``).
 
 Backward. Nodes are visited latest first. An operator's node issues one VJP call
-(``runtime/vjp.py``: the host reruns the forward kernel under torch's autograd); a
+(``runtime/vjp.py``: ``torch.autograd.grad`` of the kept graph on each device); a
 redistribute's node issues the dual redistribute. Gradients are laid out in the *dual* of each
 tensor's layout, which is what makes a device's local VJP its share of the global one:
 
@@ -24,7 +26,8 @@ weight (Replicate on ``dp``) gets a Partial gradient that becomes its ``.grad`` 
 all-reduce. Gradients reaching a tensor in different layouts are summed after a redistribute;
 a leaf's total is laid out as the leaf before it lands in ``.grad``.
 
-With ``retain_graph=False`` every visited node drops its operands, freeing what it saved.
+With ``retain_graph=False`` every VJP frees its graph on the hosts, and every visited node is
+marked used (a second backward raises torch's error).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import itertools
 
 import torch
 
+from ..client import session
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
+from ..protocol import RECORD
 from ..tensor import DTYPES, Tensor
 
 active = False  # True once a tensor has required grad: until then recording costs nothing
@@ -74,52 +79,84 @@ def differentiable(spec) -> bool:
     return spec.dtype in DIFFERENTIABLE
 
 
+class Ref:
+    """What the tape keeps of a tensor with history: its id, spec and node, not the tensor."""
+
+    __slots__ = ("_id", "_spec", "_node")
+    is_leaf = False
+
+    def __init__(self, t: Tensor):
+        self._id, self._spec, self._node = t._id, t._spec, t._node
+
+
 class Node:
     """One recorded call: ``op`` (an OpDef, or None for a redistribute), the forward's call id,
     the operands (tensors and scalars, as the kernel read them), which of them need a gradient,
-    and the results' ids and specs."""
+    the results' ids and specs, and ``key``: the id under which the hosts keep the kernel's
+    autograd graph (an operator's; a redistribute keeps none)."""
 
-    __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs",
+    __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs", "key",
                  "__weakref__")
 
-    def __init__(self, op, call_id, operands, needs, outs):
+    def __init__(self, op, call_id, operands, needs, outs, key=None):
         self.order = next(_order)
-        self.op, self.call_id = op, call_id
-        self.operands, self.needs = operands, needs
+        self.op, self.call_id, self.key = op, call_id, key
+        # a leaf is kept (its .grad is set); any other tensor only as a reference, so that its
+        # blocks go when the program drops it (the hosts' graph keeps what the backward needs)
+        self.operands = tuple(Ref(o) if isinstance(o, Tensor) and not o.is_leaf else o
+                              for o in operands)
+        self.needs = needs
         self.out_ids = tuple([t._id for t in outs])
         self.out_specs = tuple([t._spec for t in outs])
 
     def name(self) -> str:
         return "redistribute" if self.op is None else self.op.name
 
+    def __del__(self):
+        if self.key is not None:  # the hosts drop the graphs they keep for it
+            session.release_id(self.key)
+
     def __repr__(self) -> str:
         return f"<dtorch backward of {self.name()}>"
 
 
-def record(bound, operands, outs) -> None:
-    """Called by ``dispatch.issue`` for every call while ``active``: records it when grad mode
-    is on and an operand requires grad; marks its floating results as requiring grad."""
+def needs_of(bound, operands):
+    """Called by ``dispatch.issue`` for every call while ``active``: which operands require
+    grad, when the call is to be recorded (grad mode on, one of them requires grad), else
+    None. An in-place call is never recorded: on a tensor with history it raises; on a leaf
+    (an initialisation, an optimizer step) it is allowed, as under ``no_grad``."""
     if not torch.is_grad_enabled():
-        return
+        return None
     for o in operands:  # the common case, nothing requires grad, in the fewest steps
         if isinstance(o, Tensor) and getattr(o, "_requires_grad", False):
             break
     else:
-        return
+        return None
     if bound.op is not None and bound.op.name in NOT_RECORDED:
-        return
-    needs = tuple([isinstance(o, Tensor) and getattr(o, "_requires_grad", False)
-                   for o in operands])
+        return None
     if bound.inplace:
-        target = operands[0]
-        if not target.is_leaf or any(isinstance(o, Tensor) and not o.is_leaf
-                                     for o in operands[1:]):
+        if not all(o.is_leaf for o in operands if isinstance(o, Tensor)):
             raise NotImplementedError(
                 f"dtorch autograd: {bound.op.name} writes in place into a tensor whose history "
                 f"is recorded; use the out-of-place form (e.g. y = x.add(z) for x.add_(z)), or "
                 f"run it under torch.no_grad()")
-        return  # an update of a leaf (an initialisation, an optimizer step): not recorded
-    node = Node(bound.op, bound.call_id, tuple(operands), needs, outs)
+        return None
+    return tuple([isinstance(o, Tensor) and getattr(o, "_requires_grad", False)
+                  for o in operands])
+
+
+def recorded_call(s, bound) -> int:
+    """The id of ``bound``'s call as autograd records it: the RECORD flag, and the tape node's
+    key as one more operand (the hosts keep the kernel's graph under it)."""
+    if bound.recorded is None:
+        name, inputs, outs, static, flags = bound.define
+        bound.recorded = s.define_call(name, (*inputs, int), outs, static, flags | RECORD)
+    return bound.recorded
+
+
+def record(bound, operands, outs, needs, key) -> None:
+    """A tape node for the call just issued; its floating results now require grad."""
+    node = Node(bound.op, bound.call_id, tuple(operands), needs, outs, key)
     for t in outs:
         if differentiable(t._spec):
             t._requires_grad = True
@@ -148,15 +185,15 @@ def _zeros(spec):
                         placements=list(spec.placements))
 
 
-def _vjp(node, grads) -> list:
+def _vjp(node, grads, retain: bool = False) -> list:
     """The operands' gradients (None where not needed) from the results' (None: zero)."""
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads
         source = node.operands[0]._spec
         return [_layout(_layout(g, dual_spec(node.out_specs[0], "redistribute")),
                         dual_spec(source, "redistribute"))]
-    from ..client import dispatch, session
-    from ..protocol import COMM, VJP_PREFIX
+    from ..client import dispatch
+    from ..protocol import COMM, VJP_PREFIX  # noqa: F811
     name = node.op.name
     if node.op.flags & COMM or node.op.kernel is None:
         raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "
@@ -165,18 +202,16 @@ def _vjp(node, grads) -> list:
     grads = [_zeros(spec) if g is None else _layout(g, spec)
              for g, spec in zip(grads, grad_specs)]
     needs = tuple(need and differentiable(o._spec) for o, need in zip(node.operands, node.needs))
-    inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in node.operands)
     s = session.current()
-    key = ("vjp", node.call_id, needs, grad_specs)
+    key = ("vjp", node.call_id, needs, grad_specs, retain)
     bound = s.bound.get(key)
     if bound is None:
         outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
-        call_id = s.define_call(VJP_PREFIX + str(node.call_id), inputs + grad_specs, outs,
-                                needs, 0)
-        mask = tuple(isinstance(o, Tensor) for o in node.operands) + (True,) * len(grads)
-        bound = s.bound[key] = dispatch.Bound(call_id, outs, mask)
+        call_id = s.define_call(VJP_PREFIX + str(node.call_id), (int, *grad_specs), outs,
+                                (needs, retain), 0)
+        bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * len(grads))
     with torch.no_grad():
-        result = dispatch.issue(s, bound, (*node.operands, *grads), s.site())
+        result = dispatch.issue(s, bound, (node.key, *grads), s.site())
     found = iter(result if isinstance(result, tuple) else (result,))
     return [next(found) if need else None for need in needs]
 
@@ -212,7 +247,8 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
             if wanted is not None:
                 found.update({i: g for i, g in zip(node.out_ids, outs)
                               if i in wanted and g is not None})
-            in_grads = _vjp(node, outs) if any(g is not None for g in outs) else ()
+            in_grads = _vjp(node, outs, retain_graph) if any(g is not None for g in outs) \
+                else ()
             for x, g in zip(node.operands, in_grads):
                 if g is not None and not x.is_leaf:
                     grads[x._id] = _add(grads.get(x._id), g)

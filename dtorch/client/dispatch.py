@@ -31,13 +31,17 @@ class Bound:
     """A call shape whose metadata and placements are known: what a cache hit needs. ``op``:
     the entry (None for a redistribute), for autograd's record."""
 
-    __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single", "op")
+    __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single", "op", "define",
+                 "recorded")
 
-    def __init__(self, call_id, outs, mask, pre=(), post=(), inplace=False, op=None):
+    def __init__(self, call_id, outs, mask, pre=(), post=(), inplace=False, op=None,
+                 define=None):
         self.call_id, self.outs, self.mask = call_id, outs, mask
         self.pre, self.post, self.inplace = pre, post, inplace
         self.single = len(outs) == 1
         self.op = op
+        # autograd: the DefineCall's arguments, for the recorded variant (``tape``), made once
+        self.define, self.recorded = define, None
 
 
 def dispatch(op, operands: tuple, static: tuple):
@@ -68,23 +72,26 @@ def issue(s, b: Bound, operands, site: int):
         for k, rb in b.pre:
             operands[k] = issue(s, rb, (operands[k],), site)
     vals = _wire_operands(operands, b.mask)
+    call_id, ids = b.call_id, s.ids
+    needs = tape.needs_of(b, operands) if tape.active else None
     if b.inplace:
         target = operands[0]
-        s.append((P.OP, b.call_id, site, 0, target._id, *vals))
-        if tape.active:
-            tape.record(b, operands, ())
+        s.append((P.OP, call_id, site, 0, target._id, *vals))
         return target
-    ids = s.ids
+    key = None
+    if needs is not None and b.op is not None:  # the hosts keep the kernel's graph under key
+        key = next(ids)
+        call_id, vals = tape.recorded_call(s, b), (*vals, key)
     if b.single:
         t = symbol(next(ids), b.outs[0])
-        s.append((P.OP, b.call_id, site, 0, t._id, *vals))
-        if tape.active:
-            tape.record(b, operands, (t,))
+        s.append((P.OP, call_id, site, 0, t._id, *vals))
+        if needs is not None:
+            tape.record(b, operands, (t,), needs, key)
         return issue(s, b.post[0], (t,), site) if b.post else t
     outs = [symbol(next(ids), spec) for spec in b.outs]
-    s.append((P.OP, b.call_id, site, 0, *[t._id for t in outs], *vals))
-    if tape.active:
-        tape.record(b, operands, outs)
+    s.append((P.OP, call_id, site, 0, *[t._id for t in outs], *vals))
+    if needs is not None:
+        tape.record(b, operands, outs, needs, key)
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)
@@ -266,9 +273,10 @@ def bind(s, op, operands, static) -> Bound:
             bind_redistribute(s, spec, spec.with_placements(target)) if target else None
             for spec, target in zip(out_specs, placed.post)
         )
-    call_id = s.define_call(op.name, inputs, out_specs, tuple(P.wire_static(kw).values()), flags)
+    define = (op.name, inputs, out_specs, tuple(P.wire_static(kw).values()), flags)
+    call_id = s.define_call(*define)
     mask = tuple(isinstance(o, Tensor) for o in operands)
-    return Bound(call_id, out_specs, mask, pre, post, inplace, op)
+    return Bound(call_id, out_specs, mask, pre, post, inplace, op, define)
 
 
 def bind_redistribute(s, src, dst) -> Bound:
@@ -285,10 +293,11 @@ def bind_accumulated(s, src, dst, dtype: torch.dtype) -> Bound:
     the result to ``dtype``: one Bound whose ``post`` is the cast."""
     cast = lookup("to")
     final = intern_spec(dst.shape, str(dtype)[6:], dst.mesh, dst.placements)
-    cast_id = s.define_call(cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
+    define = (cast.name, (dst,), (final,), (dtype, False, False), cast.flags)
+    cast_id = s.define_call(*define)
     reduce = bind_redistribute(s, src, dst)
     return Bound(reduce.call_id, (dst,), (True,),
-                 post=(Bound(cast_id, (final,), (True,), op=cast),))
+                 post=(Bound(cast_id, (final,), (True,), op=cast, define=define),))
 
 
 def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:

@@ -75,12 +75,18 @@ def release(tensor) -> None:
     first record of a batch wakes the flusher, or a drop followed by no other call would keep
     the memory on the hosts until the next one. Unlike ``Session.append`` it never flushes:
     ``__del__`` may run inside a flush (a garbage collection there), whose lock is held."""
+    release_id(tensor._id)
+
+
+def release_id(tensor_id: int) -> None:
+    """``release`` of an id (a tensor's, or a tape node's: the hosts drop what they keep for
+    it)."""
     s = _current
     if s is not None and not s.closed:
         records = s.records
         if not records:
             s._wake.set()
-        records.append(tensor._id)
+        records.append(tensor_id)
 
 
 def shutdown() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgpack
 
 from .. import protocol as P
-from ..protocol import COMM, IMPURE, INPLACE, VIEW
+from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW
 from ..placement import Replicate
 from ..redistribute import COMM_STEPS, plan_redistribute
 from ..spec import intern_spec
@@ -105,7 +105,8 @@ def eliminate_dead_code(graph, nodes: list) -> list:
         if type(node) is int:
             unread_released.add(node)
         elif isinstance(node, Operator):
-            if not node.call.flags & (INPLACE | IMPURE) and all(
+            # a recorded call's graph is read by its VJP, which the graph does not show
+            if not node.call.flags & (INPLACE | IMPURE | RECORD) and all(
                 o in unread_released for o in node.outs
             ):
                 keep[k] = False

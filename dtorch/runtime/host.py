@@ -38,7 +38,7 @@ from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Memory, Recorder, Stream
-from .vjp import vjp_kernel
+from .vjp import Saved, recording, vjp
 
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
@@ -77,7 +77,7 @@ class HostCall:
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
                  "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
-                 "comm_dims", "receive_only")
+                 "comm_dims", "receive_only", "saves", "reads_saved")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -88,8 +88,10 @@ class HostCall:
             self.comm_dims = (kwargs["mesh_dim"],)
         elif name.startswith(P.VJP_PREFIX):
             forward = host.calls[int(name[len(P.VJP_PREFIX):])]
-            self.fn, self.uses_context = vjp_kernel(forward), True
-            kwargs, self.comm_dims = {"needs": tuple(P.unpack_static(static))}, forward.comm_dims
+            needs, retain = P.unpack_static(static)
+            self.fn, self.uses_context = vjp, True
+            kwargs = {"needs": tuple(needs), "retain": retain}
+            self.comm_dims = forward.comm_dims
             name = f"{forward.name} (backward)"  # how its errors name it
         else:
             op = registry.lookup(name)
@@ -98,6 +100,13 @@ class HostCall:
             first = next((s for s in self.in_specs if s is not None), None)
             self.comm_dims = (tuple(op.comm_dims(self.in_specs, **kwargs)) if op.comm_dims
                               else tuple(range(len(first.mesh.shape))) if first else ())
+        # autograd: a recorded call keeps its graph (its last operand is the key), a VJP reads
+        # one (its first operand)
+        self.saves = bool(flags & P.RECORD)
+        self.reads_saved = name.endswith(" (backward)")
+        if self.saves:  # the kernel and its context see the operands without the key
+            self.fn, self.uses_context = recording(self.fn, self.uses_context), True
+            self.in_specs = self.in_specs[:-1]
         self.name, self.kwargs = name, kwargs
         self.out_specs = [host.specs[i] for i in outputs]
         self.n_out = len(outputs)
@@ -266,6 +275,7 @@ class Host:
         self.calls: dict = {}
         self.devices: dict = {}  # local device index -> Device
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
+        self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
         self._local: dict = {}  # mesh id -> local Devices
         self._store_path = None  # the rendezvous store's file (Welcome)
         self.cuda = device_type == "cuda"
@@ -382,8 +392,26 @@ class Host:
         else:
             inputs = [(PREV if o == prev else blobs.get(o)) if m else o
                       for o, m in zip(operands, call.mask)]
+        if call.saves or call.reads_saved:
+            inputs = self.saved_slots(call, dev, inputs)
         if None in inputs:
             inputs = self.check_inputs(call, dev, inputs, operands, rec[P.OP_SITE])
+        return inputs
+
+    def saved_slots(self, call: HostCall, dev: Device, inputs) -> list:
+        """A recorded call's key operand becomes a new Saved slot, a VJP's the slot its
+        forward filled: slots are made and found here, in program order, so a release of the
+        key (``on_release``) can never come before the kernel that fills it."""
+        inputs = list(inputs)
+        if call.saves:
+            key, slot = inputs[-1], Saved()
+            inputs[-1] = self.graphs.setdefault(key, {})[dev.index] = slot
+            return inputs
+        key, retain = inputs[0], call.kwargs["retain"]
+        table = self.graphs.get(key, {})
+        inputs[0] = table.get(dev.index) if retain else table.pop(dev.index, None)
+        if not table:
+            self.graphs.pop(key, None)
         return inputs
 
     def check_inputs(self, call: HostCall, dev: Device, inputs, operands, site) -> list:
@@ -404,6 +432,8 @@ class Host:
     def on_release(self, tensor_id: int) -> None:
         for dev in self.owners.pop(tensor_id, ()):
             dev.blobs.pop(tensor_id, None)
+        if self.graphs:
+            self.graphs.pop(tensor_id, None)  # a tape node dropped: its kept graphs go too
 
     def on_fetch(self, rec) -> None:
         _, tensor_id, request, sid = rec

@@ -1,13 +1,14 @@
-"""Vector-Jacobian products on local blocks: the backward of any recorded kernel, by torch's own
-autograd, so that no derivative formula is written twice.
+"""The backward of recorded kernels on the hosts: torch's own autograd on the local blocks, so
+that no derivative formula is written twice.
 
-A VJP call (``protocol.VJP_PREFIX`` + the forward call's id) takes the forward's operands (the
-blocks the forward kernel read, which the client kept alive) followed by one gradient block per
-forward result, and returns the gradient blocks of the operands ``needs`` marks. The kernel runs
-the forward again on those blocks with autograd on (the same static args, the same context: a
-random kernel draws the same values from its seed), then ``torch.autograd.grad``. Recomputing
-costs a forward kernel per backward kernel and keeps nothing between the two passes but the
-operands themselves.
+A call autograd records (``protocol.RECORD``) runs its kernel with its floating operands as
+autograd leaves, keeps the graph in a ``Saved`` slot of the host (keyed by the tape node's id,
+which travels as the call's last operand), and stores detached results as blobs, so that later
+kernels build no graph on them. Its VJP call (``protocol.VJP_PREFIX`` + the forward call's id)
+takes that key and one gradient block per forward result, and returns
+``torch.autograd.grad`` of the kept graph for the operands ``needs`` marks. What the graph keeps
+is what torch's autograd saves; it is freed when the VJP has run (unless ``retain``), or when the
+client drops the tape node (the key's release).
 
 Why local blocks suffice: the client lays the gradient out in the dual of each layout
 (``autograd/tape.py``): a device's block of the result's gradient, passed back through its own
@@ -20,26 +21,53 @@ from __future__ import annotations
 import torch
 
 
-def vjp_kernel(forward):
-    """The kernel ``(ctx, *operands, *grads, needs)`` of the VJP of HostCall ``forward``."""
-    n_in = len(forward.in_specs)
+class Saved:
+    """One device's graph of one recorded call: its autograd leaves and results."""
 
-    def vjp(ctx, *args, needs):
-        inputs, grads = args[:n_in], args[n_in:]
-        leaves = [x.detach().requires_grad_(True) if need else x
-                  for x, need in zip(inputs, needs)]
+    __slots__ = ("leaves", "outs")
+
+
+def _leaf(x):
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        return x.detach().requires_grad_(True)
+    return x
+
+
+def _detached(out):
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detached(o) for o in out)
+    return out
+
+
+def recording(fn, uses_context: bool):
+    """Kernel ``fn`` run with autograd on: ``(ctx, *operands, slot)``, the graph into ``slot``."""
+
+    def run(ctx, *args, **kwargs):
+        *inputs, slot = args
+        leaves = [_leaf(x) for x in inputs]
         with torch.enable_grad():
-            if forward.uses_context:
-                out = forward.fn(forward.context(ctx.device), *leaves, **forward.kwargs)
-            else:
-                out = forward.fn(*leaves, **forward.kwargs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = [x for x, need in zip(leaves, needs) if need]
-        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                    allow_unused=True) if pairs else [None] * len(wrt)
-        result = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(found, wrt))
-        return result[0] if len(result) == 1 else result
+            out = fn(ctx, *leaves, **kwargs) if uses_context else fn(*leaves, **kwargs)
+        slot.leaves, slot.outs = leaves, out
+        return _detached(out)
 
-    return vjp
+    return run
+
+
+def vjp(ctx, slot, *grads, needs, retain):
+    """The gradient blocks of the operands ``needs`` marks, from the graph in ``slot``."""
+    if slot is None or not hasattr(slot, "outs"):
+        raise RuntimeError("the forward's autograd graph is gone (backward through the graph a "
+                           "second time? use retain_graph=True the first time)")
+    outs = slot.outs if isinstance(slot.outs, (tuple, list)) else (slot.outs,)
+    pairs = [(o, g) for o, g in zip(outs, grads)
+             if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [x for x, need in zip(slot.leaves, needs) if need]
+    found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                retain_graph=retain, allow_unused=True) if pairs else \
+        [None] * len(wrt)
+    if not retain:
+        del slot.leaves, slot.outs
+    result = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(found, wrt))
+    return result[0] if len(result) == 1 else result
