@@ -146,12 +146,17 @@ def needs_of(bound, operands):
 
 
 def recorded_call(s, bound) -> int:
-    """The id of ``bound``'s call as autograd records it: the RECORD flag, and the tape node's
-    key as one more operand (the hosts keep the kernel's graph under it)."""
+    """The id of ``bound``'s call as autograd records it: the RECORD flag, and two more operands
+    (values): the tape node's key, under which the hosts keep the kernel's graph, and the bits
+    of the operands that need a gradient (``needs_bits``)."""
     if bound.recorded is None:
         name, inputs, outs, static, flags = bound.define
-        bound.recorded = s.define_call(name, (*inputs, int), outs, static, flags | RECORD)
+        bound.recorded = s.define_call(name, (*inputs, int, int), outs, static, flags | RECORD)
     return bound.recorded
+
+
+def needs_bits(needs) -> int:
+    return sum(1 << k for k, need in enumerate(needs) if need)
 
 
 def record(bound, operands, outs, needs, key) -> None:

@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..autograd import tape
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
-from ..ops.registry import INPLACE, freeze, lookup
+from ..ops.registry import COMM, INPLACE, freeze, lookup
 from ..ops.rules import Call, inplace_error
 from ..placement import Replicate, check_partials, normalize_placements
 from ..spec import intern_spec
@@ -79,9 +79,11 @@ def issue(s, b: Bound, operands, site: int):
         s.append((P.OP, call_id, site, 0, target._id, *vals))
         return target
     key = None
-    if needs is not None and b.op is not None:  # the hosts keep the kernel's graph under key
+    if needs is not None and b.op is not None and not b.op.flags & COMM:
+        # the hosts keep the kernel's graph under key (a communicating kernel has no VJP yet:
+        # its node refuses at backward, and keeps no graph meanwhile)
         key = next(ids)
-        call_id, vals = tape.recorded_call(s, b), (*vals, key)
+        call_id, vals = tape.recorded_call(s, b), (*vals, key, tape.needs_bits(needs))
     if b.single:
         t = symbol(next(ids), b.outs[0])
         s.append((P.OP, call_id, site, 0, t._id, *vals))

@@ -100,13 +100,13 @@ class HostCall:
             first = next((s for s in self.in_specs if s is not None), None)
             self.comm_dims = (tuple(op.comm_dims(self.in_specs, **kwargs)) if op.comm_dims
                               else tuple(range(len(first.mesh.shape))) if first else ())
-        # autograd: a recorded call keeps its graph (its last operand is the key), a VJP reads
-        # one (its first operand)
+        # autograd: a recorded call keeps its graph (its last two operands: the key, the bits
+        # of the operands to differentiate), a VJP reads one (its first operand: the key)
         self.saves = bool(flags & P.RECORD)
         self.reads_saved = name.endswith(" (backward)")
-        if self.saves:  # the kernel and its context see the operands without the key
+        if self.saves:  # the kernel and its context see the operands without key and bits
             self.fn, self.uses_context = recording(self.fn, self.uses_context), True
-            self.in_specs = self.in_specs[:-1]
+            self.in_specs = self.in_specs[:-2]
         self.name, self.kwargs = name, kwargs
         self.out_specs = [host.specs[i] for i in outputs]
         self.n_out = len(outputs)
@@ -404,8 +404,8 @@ class Host:
         key (``on_release``) can never come before the kernel that fills it."""
         inputs = list(inputs)
         if call.saves:
-            key, slot = inputs[-1], Saved()
-            inputs[-1] = self.graphs.setdefault(key, {})[dev.index] = slot
+            key, slot = inputs[-2], Saved()
+            inputs[-2] = self.graphs.setdefault(key, {})[dev.index] = slot
             return inputs
         key, retain = inputs[0], call.kwargs["retain"]
         table = self.graphs.get(key, {})

@@ -1,9 +1,9 @@
 """The backward of recorded kernels on the hosts: torch's own autograd on the local blocks, so
 that no derivative formula is written twice.
 
-A call autograd records (``protocol.RECORD``) runs its kernel with its floating operands as
-autograd leaves, keeps the graph in a ``Saved`` slot of the host (keyed by the tape node's id,
-which travels as the call's last operand), and stores detached results as blobs, so that later
+A call autograd records (``protocol.RECORD``) runs its kernel with the operands the client
+differentiates as autograd leaves, keeps the graph in a ``Saved`` slot of the host (keyed by the
+tape node's id; the id and those operands' bits travel as the call's last two operands), and stores detached results as blobs, so that later
 kernels build no graph on them. Its VJP call (``protocol.VJP_PREFIX`` + the forward call's id)
 takes that key and one gradient block per forward result, and returns
 ``torch.autograd.grad`` of the kept graph for the operands ``needs`` marks. What the graph keeps
@@ -28,9 +28,7 @@ class Saved:
 
 
 def _leaf(x):
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-        return x.detach().requires_grad_(True)
-    return x
+    return x.detach().requires_grad_(True)
 
 
 def _detached(out):
@@ -42,11 +40,13 @@ def _detached(out):
 
 
 def recording(fn, uses_context: bool):
-    """Kernel ``fn`` run with autograd on: ``(ctx, *operands, slot)``, the graph into ``slot``."""
+    """Kernel ``fn`` run with autograd on: ``(ctx, *operands, slot, needs)``, the graph into
+    ``slot``; bit k of ``needs`` makes operand k a leaf (only those the client differentiates:
+    some operands may not require grad, such as batch norm's running statistics)."""
 
     def run(ctx, *args, **kwargs):
-        *inputs, slot = args
-        leaves = [_leaf(x) for x in inputs]
+        *inputs, slot, needs = args
+        leaves = [_leaf(x) if needs >> k & 1 else x for k, x in enumerate(inputs)]
         with torch.enable_grad():
             out = fn(ctx, *leaves, **kwargs) if uses_context else fn(*leaves, **kwargs)
         slot.leaves, slot.outs = leaves, out
