@@ -1,12 +1,13 @@
 """Llama on a CPU mesh with any mix of data, tensor, pipeline and context parallelism.
 
+Needs transformers (for the config): ``pip install -e ".[llama]"``.
+
     python examples/llama.py --tp 2 --pp 2                 # a small random model, 4 devices
     python examples/llama.py --dp 2 --tp 2 --ring-cp 2     # 8 devices
     python examples/llama.py --checkpoint DIR --tp 2       # an HF checkpoint directory
 
-The random model is built locally from a small ``LlamaConfig`` (no network). When
-``transformers`` is installed (it is needed for the config anyway), the logits are compared with
-HF's ``LlamaForCausalLM`` on the same weights, and so are the greedily generated tokens.
+The random model is built locally from a small ``LlamaConfig`` (no network). The logits and the
+greedily generated tokens are compared with HF's ``LlamaForCausalLM`` on the same weights.
 """
 
 import argparse

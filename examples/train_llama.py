@@ -1,5 +1,7 @@
 """Train a small random Llama to copy sequences, on a CPU mesh of any parallel layout.
 
+Needs transformers (for the config): ``pip install -e ".[llama]"``.
+
     python examples/train_llama.py                       # 1 device
     python examples/train_llama.py --dp 2 --tp 2         # 4 devices
     python examples/train_llama.py --pp 2 --zero 1 --dp 2

@@ -197,6 +197,19 @@ def test_gradient_argument_and_errors(mesh2):
         x.add_(1)  # an update of a leaf, as an optimizer makes
 
 
+def test_changing_a_saved_operand_in_place_is_torchs_error(mesh2):
+    """The hosts' graphs carry torch's version counters: a backward through a block changed
+    in place since the forward raises, naming the op."""
+    w = dtorch.ones(3, device_mesh=mesh2, requires_grad=True)
+    x = dtorch.ones(3, device_mesh=mesh2) * 2
+    y = (w * x).sum()
+    with torch.no_grad():
+        x.add_(1)
+    y.backward()
+    with pytest.raises(RuntimeError, match=r"mul \(backward\).*modified by an inplace"):
+        w.grad.to_torch()
+
+
 def test_every_registry_op_has_a_gradient_or_names_why_not():
     """The list of which ops differentiate through the hosts' VJP (torch's autograd of the
     graph kept from the kernel), which are composites (their parts are recorded), and which refuse."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Replicate
+from ..nn.utils import replicated
 from ..tensor import Tensor
 
 __all__ = ["GradScaler"]
@@ -68,14 +68,10 @@ class GradScaler:
         if any(g.dtype == torch.float16 for g in grads):  # torch's rule: unscaling loses them
             raise ValueError("Attempting to unscale FP16 gradients.")
         inverse = 1.0 / self._scale
-        bad, home = None, None
+        bad = None
         for g in grads:
             g.mul_(inverse)
-            count = (~g.isfinite()).sum()
-            home = home or count.device_mesh
-            if count.device_mesh != home or any(p.is_partial() for p in count.placements):
-                count = count.redistribute(device_mesh=home,
-                                           placements=[Replicate()] * home.ndim)
+            count = replicated((~g.isfinite()).sum(), grads[0].device_mesh)
             bad = count if bad is None else bad + count
         self._unscaled[id(optimizer)] = bad
 

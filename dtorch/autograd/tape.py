@@ -39,7 +39,7 @@ import torch
 from ..client import session
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
-from ..protocol import RECORD
+from ..protocol import COMM, RECORD, VJP_PREFIX
 from ..tensor import DTYPES, Tensor
 
 active = False  # True once a tensor has required grad: until then recording costs nothing
@@ -198,7 +198,6 @@ def _vjp(node, grads, retain: bool = False) -> list:
         return [_layout(_layout(g, dual_spec(node.out_specs[0], "redistribute")),
                         dual_spec(source, "redistribute"))]
     from ..client import dispatch
-    from ..protocol import COMM, VJP_PREFIX  # noqa: F811
     name = node.op.name
     if node.op.flags & COMM or node.op.kernel is None:
         raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "

@@ -32,8 +32,7 @@ import threading
 
 import torch
 
-from .. import protocol as P
-from ..future import TensorFuture, VoidFutureCollect
+from ..future import VoidFutureCollect
 from ..memory_stats import MemoryStat, MemoryStats
 from ..mesh import DeviceMesh
 from ..ops.memory import FIELDS

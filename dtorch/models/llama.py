@@ -25,7 +25,6 @@ client reads the tokens once, at the end.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -39,6 +38,7 @@ from ..tensor import Tensor
 from ..type import RING_CP, ULYSSES_CP
 from .. import nn
 from ..nn import functional as F
+from ..nn.pipeline import hop
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
            "LlamaRMSNorm", "LlamaRotaryEmbedding", "KVCache", "MESH_DIMS"]
@@ -57,12 +57,10 @@ def _guard(mesh: DeviceMesh):
     return dtorch.Graph.default_graph().device_mesh_guard(mesh)
 
 
-def hop(x: Tensor, mesh: DeviceMesh) -> Tensor:
-    """``x`` on ``mesh`` with its placements (a pipeline stage's hop: each device sends its
-    block to the device at the same coordinate); as it is when already there."""
-    if x.device_mesh == mesh:
-        return x
-    return x.redistribute(device_mesh=mesh, placements=x.placements)
+def whole_along(x: Tensor, placement) -> Tensor:
+    """``x`` with ``placement`` (a Shard) made Replicate on every mesh dim that holds it."""
+    whole = [R if p == placement else p for p in x.placements]
+    return x if whole == list(x.placements) else x.redistribute(placements=whole)
 
 
 def token_placements(mesh: DeviceMesh, shard_sequence: bool = True) -> dict:
@@ -423,10 +421,7 @@ class LlamaForCausalLM(nn.Module):
                 last_only: bool = False) -> Tensor:
         h = self.model(input_ids, cache)
         if last_only:  # decoding needs the last position's logits only
-            whole = [R if p == Shard(1) else p for p in h.placements]
-            if whole != list(h.placements):  # the sequence split over CP: slice it whole
-                h = h.redistribute(placements=whole)
-            h = h[:, -1:]
+            h = whole_along(h, Shard(1))[:, -1:]  # the sequence, split over CP, made whole
         return self.lm_head(h)
 
     # -- decoding -------------------------------------------------------------------------------
@@ -452,11 +447,8 @@ class LlamaForCausalLM(nn.Module):
         ids = self.place_tokens(prompt)
         for step in range(max_new_tokens):
             logits = super().__call__(ids, cache, last_only=True)
-            last = logits[:, -1]
-            vocab_split = [R if p == Shard(1) else p for p in last.placements]
-            if vocab_split != list(last.placements):  # the tp head's vocabulary, made whole
-                last = last.redistribute(placements=vocab_split)
-            next_ids = last.argmax(-1)  # [batch], on the last stage
+            # [batch], on the last stage; the tp head's vocabulary made whole first
+            next_ids = whole_along(logits[:, -1], Shard(1)).argmax(-1)
             tokens.append(next_ids)
             if step == 0:
                 cache.gather_sequence()

@@ -12,7 +12,8 @@ from ..tensor import Tensor
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 
 
-def _replicated(t: Tensor, mesh) -> Tensor:
+def replicated(t: Tensor, mesh) -> Tensor:
+    """``t`` Replicate on ``mesh`` (moved there if it lives elsewhere)."""
     placements = [Replicate()] * mesh.ndim
     if t.device_mesh == mesh and list(t.placements) == placements:
         return t
@@ -42,7 +43,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
                 part = max_of([t.abs().amax().float() for t in ts])
             else:
                 part = sum((t.float().abs() ** norm_type).sum() for t in ts)
-            parts.append(_replicated(part, home))
+            parts.append(replicated(part, home))
         if norm_type == math.inf:
             total = max_of(parts)
         else:
@@ -81,6 +82,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         for g in grads:
             mesh = g.device_mesh
             if mesh not in scales:
-                scales[mesh] = _replicated(coef, mesh)
+                scales[mesh] = replicated(coef, mesh)
             g.mul_(scales[mesh].to(g.dtype))
     return total
