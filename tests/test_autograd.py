@@ -10,7 +10,7 @@ import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.autograd import tape
-from dtorch.ops.registry import REGISTRY
+from dtorch.ops.registry import REGISTRY, OpDef
 from dtorch.protocol import COMM
 
 F = dtorch.nn.functional
@@ -212,27 +212,32 @@ def test_changing_a_saved_operand_in_place_is_torchs_error(mesh2):
 
 def test_every_registry_op_has_a_gradient_or_names_why_not():
     """The list of which ops differentiate through the hosts' VJP (torch's autograd of the
-    graph kept from the kernel), which are composites (their parts are recorded), and which refuse."""
-    by_vjp, composite, refused = [], [], []
+    graph kept from the kernel; for a communicating kernel, of its differentiable collectives,
+    ``ops/exchange.py``), which are composites (their parts are recorded), and which refuse."""
+    by_vjp, by_collectives, composite, refused = [], [], [], []
     for name, op in sorted(REGISTRY.items()):
         if op.kernel is None:
             composite.append(name)
         elif op.flags & COMM:
-            refused.append(name)
+            (by_collectives if op.comm_grad else refused).append(name)
         else:
             by_vjp.append(name)
     assert {"add", "matmul", "softmax", "scaled_dot_product_attention", "embedding",
             "cross_entropy", "rms_norm", "vocab_parallel_embedding"} <= set(by_vjp)
+    assert by_collectives == ["_context_parallel_attention", "moe_experts"]
     assert {"from_torch", "zeros_like"} <= set(composite)
-    assert len(by_vjp) > 150
-    print(f"\nVJP: {len(by_vjp)} ops; composite: {len(composite)}; refused: {refused}")
+    assert len(by_vjp) > 150 and not refused
+    print(f"\nVJP: {len(by_vjp)} ops; through collectives: {by_collectives}; composite: "
+          f"{len(composite)}; refused: {refused}")
 
 
-def test_a_communicating_kernel_refuses_with_its_name(mesh2):
-    name = next(n for n, op in REGISTRY.items() if op.flags & COMM and op.kernel is not None)
-    node = tape.Node(REGISTRY[name], 0, (), (), ())
-    with pytest.raises(NotImplementedError, match=name):
-        tape._vjp(node, [None])
+def test_a_communicating_kernel_without_differentiable_collectives_refuses(mesh2):
+    """A user's COMM kernel (``dtorch.register_op``) whose collectives are not
+    ``ops/exchange.py``'s: its local VJP is not its gradient, so it refuses by name."""
+    op = OpDef("my_collective", "my_collective(input: Tensor)", lambda ctx, x: x, None,
+               flags=COMM, uses_context=True)
+    with pytest.raises(NotImplementedError, match="my_collective"):
+        tape._vjp(tape.Node(op, 0, (), (), ()), [None])
 
 
 def test_saved_blocks_are_freed_after_backward(mesh2):

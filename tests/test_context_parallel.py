@@ -1,5 +1,5 @@
 """Context parallelism in scaled_dot_product_attention: Ulysses, Ring and both, against torch's
-attention on the same whole inputs (float32, atol = rtol = 1e-5)."""
+attention on the same whole inputs (float32, atol = rtol = 1e-5), forward and backward."""
 
 import pytest
 import torch
@@ -47,17 +47,28 @@ def inputs(n=2, hq=4, hk=4, length=8, e=8, s=None, ev=None, seed=0, dtype=torch.
 
 def check(mesh, q_places, kv_places=None, *, causal=True, scale=None, hq=4, hk=4, length=8,
           s=None, ev=None, option=None, dtype=torch.float32, tol=1e-5):
-    q, k, v = inputs(hq=hq, hk=hk, length=length, s=s, ev=ev, dtype=dtype)
+    """The output and the gradients of query, key and value (the backward is the ring, or the
+    exchanges, again) against torch's on the whole inputs."""
+    q, k, v = (t.requires_grad_() for t in inputs(hq=hq, hk=hk, length=length, s=s, ev=ev,
+                                                  dtype=dtype))
     gqa = hq != hk
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                             scale=scale, enable_gqa=gqa)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want.backward(grad)
     kv_places = q_places if kv_places is None else kv_places
-    dq = dtorch.from_torch(q, device_mesh=mesh, placements=q_places)
-    dk, dv = (dtorch.from_torch(t, device_mesh=mesh, placements=kv_places) for t in (k, v))
+    dq = dtorch.from_torch(q.detach(), device_mesh=mesh, placements=q_places)
+    dk, dv = (dtorch.from_torch(t.detach(), device_mesh=mesh, placements=kv_places)
+              for t in (k, v))
+    for t in (dq, dk, dv):
+        t.requires_grad_()
     out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, scale=scale,
                                          enable_gqa=gqa, sdpa_option=option)
     assert out.placements == list(q_places)
     torch.testing.assert_close(out.to_torch(), want, atol=tol, rtol=tol)
+    out.backward(dtorch.from_torch(grad, device_mesh=mesh, placements=q_places))
+    for mine, theirs in zip((dq, dk, dv), (q, k, v)):
+        torch.testing.assert_close(mine.grad.to_torch(), theirs.grad, atol=tol, rtol=tol)
 
 
 CASES = [  # mesh, query placements, key/value placements (None: the query's), length, heads
@@ -161,15 +172,20 @@ def test_gqa_key_heads_sharded_without_cp(meshes):
 def test_input_failed_on_one_device(meshes):
     """A query block that failed upstream on one ring member only: that member still takes
     part in the ring and the Ulysses exchange (its peers would wait forever otherwise), every
-    result is poisoned with the upstream error, and the runtime goes on."""
+    result is poisoned with the upstream error, and the runtime goes on. So for the backward:
+    every member skips it together, and the gradient carries the upstream error."""
     mesh = meshes["ring_uly"]
     table = dtorch.from_torch(torch.randn(5, 8), device_mesh=mesh, placements=[R, R])
+    table.requires_grad_()
     ids = torch.tensor([[[0, 1, 2, 3, 4, 0, 1, 2], [4, 3, 2, 1, 0, 4, 3, 9]]])
     ids = dtorch.from_torch(ids, device_mesh=mesh, placements=[S2, S2])  # 9: on the last device
     q = F.embedding(ids, table)
     out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     with pytest.raises(Exception, match="index out of range"):
         out.to_torch()
+    out.sum().backward()
+    with pytest.raises(Exception, match="dtorch.embedding failed.*index out of range"):
+        table.grad.to_torch()
     check(mesh, [S2, S2], length=5)
 
 

@@ -59,12 +59,28 @@ def make(mesh, n_experts, k, *, seed=0, renormalize=True, d=D, f=F, **kw):
 
 
 def run(ref, moe, x, placements):
-    y = moe(dtorch.from_torch(x, device_mesh=moe.w1.device_mesh, placements=placements))
-    with torch.no_grad():
-        want = ref(x)
+    """The output, and the gradients of the input, the gate and the experts (the backward
+    sends the rows' gradients back along the same all-to-alls), against the dense torch's."""
+    mesh = moe.w1.device_mesh
+    inputs = dtorch.from_torch(x, device_mesh=mesh, placements=placements).requires_grad_()
+    y = moe(inputs)
+    x = x.clone().requires_grad_()
+    ref.zero_grad()
+    want = ref(x)
     got = y.to_torch()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    return y
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(7))
+    want.backward(grad)
+    y.backward(dtorch.from_torch(grad, device_mesh=mesh, placements=y.placements))
+    torch.testing.assert_close(inputs.grad.to_torch(), x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moe.gate.weight.grad.to_torch(), ref.gate.weight.grad,
+                               rtol=1e-5, atol=1e-5)
+    for name in ("w1", "w2", "w3"):
+        want_grad = torch.stack([torch.zeros_like(w) if w.grad is None else w.grad for w in (
+            getattr(e, name).weight for e in ref.experts)])
+        torch.testing.assert_close(getattr(moe, name).grad.to_torch(), want_grad, rtol=1e-5,
+                                   atol=1e-5)
+    return y.detach()
 
 
 @pytest.fixture(scope="module")

@@ -212,6 +212,9 @@ TRAIN_LAYOUTS = {
     "tp2": ((1, 2, 1, 1, 1), 1, 0),
     "dp2-tp2": ((2, 2, 1, 1, 1), 1, 0),
     "pp2-4-microbatches": ((1, 1, 2, 1, 1), 4, 0),
+    "ulysses_cp2": ((1, 1, 1, 2, 1), 1, 0),  # a sequence of 9: uneven blocks
+    "ring_cp2": ((1, 1, 1, 1, 2), 1, 0),
+    "dp2-tp2-ring_cp2": ((2, 2, 1, 1, 2), 1, 0),
     "dp2-zero1": ((2, 1, 1, 1, 1), 1, 1),
     "dp2-zero2": ((2, 1, 1, 1, 1), 1, 2),
     "dp2-tp2-pp2": ((2, 2, 2, 1, 1), 1, 0),
@@ -246,8 +249,10 @@ def test_llama_trains_as_hf(layout):
             inputs = model.place_tokens(part)
             logits = model(inputs)
             target = dtorch.from_torch(part_labels, device_mesh=inputs.device_mesh,
-                                       placements=inputs.placements).flatten()
-            loss = dtorch.nn.functional.cross_entropy(logits.flatten(0, 1), target)
+                                       placements=inputs.placements)
+            # classes in dim 1 (torch's K-dimensional form): batch and sequence keep their
+            # shards (flatten(0, 1) would need the sequence whole under context parallelism)
+            loss = dtorch.nn.functional.cross_entropy(logits.transpose(1, 2), target)
             (loss / microbatches).backward()
             losses.append(loss)
         if step == 0:

@@ -96,11 +96,12 @@ class Node:
     autograd graph (an operator's; a redistribute keeps none)."""
 
     __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs", "key",
-                 "__weakref__")
+                 "regather", "__weakref__")
 
     def __init__(self, op, call_id, operands, needs, outs, key=None):
         self.order = next(_order)
         self.op, self.call_id, self.key = op, call_id, key
+        self.regather = False  # a redistribute whose result the hosts keep no copy of (gathered)
         # a leaf is kept (its .grad is set); any other tensor only as a reference, so that its
         # blocks go when the program drops it (the hosts' graph keeps what the backward needs)
         self.operands = tuple(Ref(o) if isinstance(o, Tensor) and not o.is_leaf else o
@@ -168,6 +169,17 @@ def record(bound, operands, outs, needs, key) -> None:
             t._node = node
 
 
+def gathered(p: Tensor, placements) -> Tensor:
+    """``p`` redistributed to ``placements`` for the computation at hand (ZeRO-3: a sharded
+    parameter gathered whole before a layer runs). The result's blocks are not kept by the
+    hosts' saved graphs: the backward gathers them again from ``p`` just before the VJPs that
+    read them, so a gathered parameter lives only while a layer's forward or backward runs."""
+    full = p.redistribute(placements=list(placements))
+    if full._node is not None:
+        full._node.regather = True
+    return full
+
+
 # -- backward -------------------------------------------------------------------------------------
 
 
@@ -199,7 +211,8 @@ def _vjp(node, grads, retain: bool = False) -> list:
                         dual_spec(source, "redistribute"))]
     from ..client import dispatch
     name = node.op.name
-    if node.op.flags & COMM or node.op.kernel is None:
+    comm = node.op.flags & COMM
+    if comm and not node.op.comm_grad or node.op.kernel is None:
         raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "
                                   f"communicates, so the local VJP is not its gradient)")
     grad_specs = tuple(dual_spec(spec, name) for spec in node.out_specs)
@@ -212,7 +225,7 @@ def _vjp(node, grads, retain: bool = False) -> list:
     if bound is None:
         outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
         call_id = s.define_call(VJP_PREFIX + str(node.call_id), (int, *grad_specs), outs,
-                                (needs, retain), 0)
+                                (needs, retain), comm)  # a COMM kernel's VJP communicates
         bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * len(grads))
     with torch.no_grad():
         result = dispatch.issue(s, bound, (node.key, *grads), s.site())

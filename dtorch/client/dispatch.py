@@ -79,9 +79,9 @@ def issue(s, b: Bound, operands, site: int):
         s.append((P.OP, call_id, site, 0, target._id, *vals))
         return target
     key = None
-    if needs is not None and b.op is not None and not b.op.flags & COMM:
-        # the hosts keep the kernel's graph under key (a communicating kernel has no VJP yet:
-        # its node refuses at backward, and keeps no graph meanwhile)
+    if needs is not None and b.op is not None and (b.op.comm_grad or not b.op.flags & COMM):
+        # the hosts keep the kernel's graph under key (a communicating kernel without
+        # comm_grad has no VJP: its node refuses at backward, and keeps no graph meanwhile)
         key = next(ids)
         call_id, vals = tape.recorded_call(s, b), (*vals, key, tape.needs_bits(needs))
     if b.single:

@@ -69,6 +69,7 @@ from torch._C._distributed_c10d import (
 
 from ..placement import Partial, Replicate, Shard, chunk_sizes
 from ..spec import group_devices
+from .exchange import exchange
 from .registry import COMM, OpDef, register
 from .rules import Placed
 
@@ -198,7 +199,7 @@ def moe_meta(input, indices, weights, w1, w3, w2):
 
 
 def _dims(in_specs) -> tuple:
-    """(ep, tp, exchange): the expert and hidden mesh dims (or None), and whether the tokens
+    """(ep, tp, dispatched): the expert and hidden mesh dims (or None), and whether the tokens
     are dispatched over ep."""
     x, w1 = in_specs[0], in_specs[3]
     ep, tp = expert_dim(w1.placements), hidden_dim(w1.placements)
@@ -208,8 +209,8 @@ def _dims(in_specs) -> tuple:
 def moe_comm_dims(in_specs, **static) -> tuple:
     """The expert-parallel dim when tokens are dispatched over it, and then the tp dim too (the
     rows travel split by columns); none otherwise."""
-    ep, tp, exchange = _dims(in_specs)
-    if not exchange:
+    ep, tp, dispatched = _dims(in_specs)
+    if not dispatched:
         return ()
     return (ep,) if tp is None else (ep, tp)
 
@@ -246,6 +247,14 @@ def _reduce_scatter_columns(pg, rows, sizes, rank, most):
     return out[:rows.shape[0], :sizes[rank]].to(rows.dtype)
 
 
+def _all_to_all(pg, rows, out_splits: list, in_splits: list):
+    """Rows ``[sum(in_splits), w]`` sent ``in_splits[j]`` to rank j; ``out_splits[j]`` arrive
+    from rank j."""
+    recv = rows.new_empty((sum(out_splits), rows.shape[1]))
+    pg.alltoall_base(recv, rows.contiguous(), out_splits, in_splits, AllToAllOptions()).wait()
+    return recv
+
+
 def _pad(t, rows: int, cols: int):
     """``t [n, w]`` zero-padded to ``[rows, cols]`` (contiguous)."""
     if tuple(t.shape) == (rows, cols):
@@ -263,7 +272,7 @@ def _moe_experts(ctx, input, indices, weights, w1, w3, w2):
     """This device's block: route its tokens' (token, expert) pairs to the experts' devices,
     run its experts on what it receives, send the rows back and combine."""
     n_experts = ctx.in_specs[3].shape[0]
-    ep, tp, exchange = _dims(ctx.in_specs)
+    ep, tp, dispatched = _dims(ctx.in_specs)
     n_local = w1.shape[0]
     first = 0 if ep is None else ctx.coord[ep] * n_local
     tokens, k = indices.shape
@@ -271,7 +280,7 @@ def _moe_experts(ctx, input, indices, weights, w1, w3, w2):
     token = torch.arange(tokens, device=input.device).repeat_interleave(k)
     gate = weights.reshape(-1)
     invalid = (expert < 0) | (expert >= n_experts)
-    lo, hi = (0, n_experts) if exchange else (first, first + n_local)
+    lo, hi = (0, n_experts) if dispatched else (first, first + n_local)
     # pairs this device does not send (local mode: other devices' experts) sort past the end
     skip = invalid | (expert < lo) | (expert >= hi)
     key = torch.where(skip, n_experts, expert)
@@ -279,7 +288,7 @@ def _moe_experts(ctx, input, indices, weights, w1, w3, w2):
     counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
     order = order[:int(counts.sum())]
     send = input.index_select(0, token[order])
-    if exchange:
+    if dispatched:
         pg, _ = ctx.group(ep)
         n = pg.size()
         send_counts = counts.view(n, n_local).contiguous()
@@ -292,13 +301,16 @@ def _moe_experts(ctx, input, indices, weights, w1, w3, w2):
             widths = chunk_sizes(input.shape[1], tpg.size())
             start = sum(widths[:tp_rank])
             send = send[:, start:start + widths[tp_rank]].contiguous()
-        recv = input.new_empty((sum(out_splits), send.shape[1]))
-        pg.alltoall_base(recv, send, out_splits, in_splits, AllToAllOptions()).wait()
+        recv = exchange(send, lambda t: _all_to_all(pg, t, out_splits, in_splits),
+                        lambda g: _all_to_all(pg, g, in_splits, out_splits))
         if tp is not None:
             most = _most_rows(ctx.device.cpu_group(group_devices(ctx.in_specs[0].mesh, tp,
                                                                  ctx.coord)), recv.shape[0])
             if most:
-                recv = _gather_columns(tpg, recv, widths, most)
+                recv = exchange(recv, lambda t: _gather_columns(tpg, t, widths, most),
+                                lambda g: _reduce_scatter_columns(tpg, g, widths, tp_rank, most))
+            else:  # no rows anywhere over tp: whole rows of none (still in the graph)
+                recv = F.pad(recv, (start, input.shape[1] - start - recv.shape[1]))
         # received: by source device, then by local expert; regroup by expert
         local = torch.arange(n_local, device=input.device).repeat(n)
         local = local.repeat_interleave(recv_counts.reshape(-1))
@@ -309,26 +321,24 @@ def _moe_experts(ctx, input, indices, weights, w1, w3, w2):
         per_expert = counts[first:first + n_local].tolist()
     regroup = torch.argsort(local, stable=True)
     grouped = recv.index_select(0, regroup)
-    rows = []
-    for e, part in enumerate(grouped.split(per_expert)):
-        if part.shape[0]:
-            rows.append(_swiglu(part, w1[e], w3[e], w2[e]))
-    done = torch.cat(rows) if rows else input.new_empty((0, input.shape[1]))
-    back = torch.empty_like(done)
-    back[regroup] = done
-    if exchange:
+    # every expert runs, on no rows too: the autograd graph then has the same collectives on
+    # every device (a device that received nothing still meets its peers in the backward)
+    done = torch.cat([_swiglu(part, w1[e], w3[e], w2[e])
+                      for e, part in enumerate(grouped.split(per_expert))])
+    back = torch.empty_like(done).index_copy(0, regroup, done)
+    if dispatched:
         width = input.shape[1]
         if tp is not None:  # sum the tp ranks' partial rows, each keeping its columns
             width = widths[tp_rank]
-            back = (_reduce_scatter_columns(tpg, back, widths, tp_rank, most) if most
-                    else back[:, :width])
-        result = input.new_empty((len(order), width))
-        pg.alltoall_base(result, back.contiguous(), in_splits, out_splits,
-                         AllToAllOptions()).wait()
+            back = exchange(
+                back, lambda t: _reduce_scatter_columns(tpg, t, widths, tp_rank, most),
+                lambda g: _gather_columns(tpg, g, widths, most)) if most else back[:, :width]
+        result = exchange(back, lambda t: _all_to_all(pg, t, in_splits, out_splits),
+                          lambda g: _all_to_all(pg, g, out_splits, in_splits))
     else:
         result = back
-    out = input.new_zeros((tokens, result.shape[1]))
-    out.index_add_(0, token[order], result * gate[order].to(input.dtype).unsqueeze(1))
+    out = input.new_zeros((tokens, result.shape[1])).index_add(
+        0, token[order], result * gate[order].to(input.dtype).unsqueeze(1))
     if bool(invalid.any()):  # after the collectives: the peers never wait for this device
         bad = int(expert[invalid][0])
         raise IndexError(f"expert index {bad} is out of range: the indices must be in "
@@ -340,4 +350,4 @@ register(OpDef("moe_experts",
                "moe_experts(input: Tensor, indices: Tensor, weights: Tensor, w1: Tensor, "
                "w3: Tensor, w2: Tensor)",
                _moe_experts, moe_rule, meta=moe_meta, uses_context=True, flags=COMM,
-               comm_dims=moe_comm_dims, functional=True, function=False))
+               comm_dims=moe_comm_dims, comm_grad=True, functional=True, function=False))

@@ -47,6 +47,9 @@ class OpDef:
     # a COMM kernel's: (in_specs, **static) -> the mesh dims its collectives run along, whose
     # devices agree on failures together (None: every dim of the first operand's mesh)
     comm_dims: Callable | None = None
+    # a COMM kernel whose collectives are ``ops/exchange.py``'s, so that torch's autograd of it
+    # is its gradient; its VJP then runs as a COMM kernel too (otherwise it has no gradient)
+    comm_grad: bool = False
     # filled from the signature
     params: list = field(default_factory=list)
     static_names: tuple = ()

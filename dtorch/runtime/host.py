@@ -38,7 +38,7 @@ from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
 from .stream import Blob, Event, Memory, Recorder, Stream
-from .vjp import Saved, recording, vjp
+from .vjp import ForwardFailed, Saved, recording, vjp
 
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
@@ -166,6 +166,8 @@ class KernelRun:
                     result = call.fn(ctx, *args, **call.kwargs)
                 else:
                     result = call.fn(*args, **call.kwargs)
+            except ForwardFailed as e:  # reported when the forward failed
+                return self._fail(e.error, report=False)
             except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
                 return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
             if config.debug >= 2:
@@ -194,25 +196,31 @@ class KernelRun:
         ``(site, None, None)``, which the client reads as "poisoned by the failure there".
         The flag travels on another of gloo's threads while the collective runs."""
         call, ctx, inputs, site = self.steps[0]
-        error = first_failure(inputs)
-        flag = torch.tensor([0 if error is None else error[0] + 1], dtype=torch.int64)
+        error = first_failure(inputs) or (getattr(inputs[0], "error", None) if call.reads_saved
+                                          else None)  # a VJP of a forward that did not run
+        # a VJP's collectives are its graph's: a device whose forward failed has none, so the
+        # peers learn of that (or of a failed gradient) before any of them starts
+        missing = call.reads_saved and error is None and not hasattr(inputs[0], "outs")
+        failed = error is not None or missing
+        flag = torch.tensor([error[0] + 1 if error else site + 1 if missing else 0],
+                            dtype=torch.int64)
         peers = failure_peers(ctx, call)
-        agreed = None
+        agreed = failure = result = None
         if len(peers) > 1:
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.MAX
             agreed = ctx.device.cpu_group(peers).allreduce([flag], opts)
-        args = [stand_in(ctx, k, x) for k, x in enumerate(inputs)]
-        failure = result = None
+            if call.reads_saved:
+                failure, agreed = _agree(agreed, site, call), None
+                failed = failed or bool(int(flag))
         try:
-            result = call.fn(ctx, *args, **call.kwargs)
+            if not (call.reads_saved and failed and not missing):
+                args = [stand_in(ctx, k, x) for k, x in enumerate(inputs)]
+                result = call.fn(ctx, *args, **call.kwargs)
         except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
             failure = (site, call.name, f"{type(e).__name__}: {e}")
         if agreed is not None:
-            try:
-                agreed.wait()
-            except Exception as e:  # noqa: BLE001 - e.g. a peer missed the deadline
-                failure = failure or (site, call.name, f"{type(e).__name__}: {e}")
+            failure = _agree(agreed, site, call) or failure
         if error is not None:
             return self._fail(error, report=False)
         if failure is not None:
@@ -224,8 +232,20 @@ class KernelRun:
     def _fail(self, error, report: bool) -> None:
         for blob in self.outputs:
             blob.error = error
+        for call, _, inputs, _ in self.steps:  # a recorded call that did not run: its VJP fails
+            if call.saves and not hasattr(inputs[-2], "outs"):  # alike (``saved_slots``)
+                inputs[-2].error = error
         if report:
             self.host.send(P.KernelError(P.KERNEL_ERROR, *error, self.key))
+
+
+def _agree(agreed, site, call):
+    """Waits for the failure flags' all-reduce: None, or the failure of a peer that missed it."""
+    try:
+        agreed.wait()
+    except Exception as e:  # noqa: BLE001 - e.g. a peer missed the deadline
+        return site, call.name, f"{type(e).__name__}: {e}"
+    return None
 
 
 def first_failure(inputs):
@@ -248,7 +268,8 @@ def failure_peers(ctx, call: HostCall) -> tuple:
     """The devices that run one collective together: a move spans both meshes (every device of
     either runs it); every other step runs along one mesh dim of one mesh, and a COMM kernel
     along its ``comm_dims``."""
-    src, dst = call.in_specs[0], call.out_specs[0]
+    src = next(s for s in call.in_specs if s is not None)  # a VJP's first operand is its key
+    dst = call.out_specs[0]
     if src.mesh is not dst.mesh:
         return tuple(sorted(set(src.mesh.devices) | set(dst.mesh.devices)))
     return span_devices(src.mesh, call.comm_dims, ctx.coord)

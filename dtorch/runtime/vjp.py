@@ -22,9 +22,10 @@ import torch
 
 
 class Saved:
-    """One device's graph of one recorded call: its autograd leaves and results."""
+    """One device's graph of one recorded call: its autograd leaves and results; or, where the
+    kernel did not run, the error that stopped it."""
 
-    __slots__ = ("leaves", "outs")
+    __slots__ = ("leaves", "outs", "error")
 
 
 def _leaf(x):
@@ -55,8 +56,19 @@ def recording(fn, uses_context: bool):
     return run
 
 
+class ForwardFailed(Exception):
+    """The VJP of a call whose kernel did not run fails with the forward's error (which the
+    client has heard of already), so a gradient read names the cause, not the VJP."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
 def vjp(ctx, slot, *grads, needs, retain):
     """The gradient blocks of the operands ``needs`` marks, from the graph in ``slot``."""
+    if getattr(slot, "error", None) is not None:
+        raise ForwardFailed(slot.error)
     if slot is None or not hasattr(slot, "outs"):
         raise RuntimeError("the forward's autograd graph is gone (backward through the graph a "
                            "second time? use retain_graph=True the first time)")
