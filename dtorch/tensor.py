@@ -160,6 +160,16 @@ class Tensor:
         aliases the blocks)."""
         return self.detach() if getattr(self, "_requires_grad", False) else self
 
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """As torch's ``p.data = value``: this tensor (its identity, its autograd state) now
+        aliases ``value``'s blocks, with ``value``'s shape and layout; its old blocks go."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"data must be a dtorch.Tensor, got {type(value).__name__}")
+        alias = value.detach()  # takes this tensor's old id, and releases it as it goes
+        self._id, self._spec, alias._id, alias._spec = alias._id, alias._spec, self._id, \
+            self._spec
+
     @property
     def T(self) -> Tensor:
         """The dims reversed (``permute``), as torch's ``.T``."""

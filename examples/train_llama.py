@@ -5,6 +5,7 @@ Needs transformers (for the config): ``pip install -e ".[llama]"``.
     python examples/train_llama.py                       # 1 device
     python examples/train_llama.py --dp 2 --tp 2         # 4 devices
     python examples/train_llama.py --pp 2 --zero 1 --dp 2
+    python examples/train_llama.py --dp 2 --zero 3       # parameters sharded (fully_shard)
 
 Each sample is ``prefix, prefix`` (random tokens, then the same again): the second half is
 predictable from the first, so the loss on it falls from ln(vocab) towards 0 as the model learns
@@ -32,7 +33,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name in ("dp", "tp", "pp"):
         parser.add_argument(f"--{name}", type=int, default=1, help=f"{name} size")
-    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="ZeRO stage (3: the model fully_shard'ed, layer by layer)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--half", type=int, default=8, help="tokens to copy")
@@ -48,6 +50,10 @@ def main() -> None:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, device_mesh=mesh)
+    if args.zero == 3:  # FSDP2's order: each decoder layer, then the root
+        for layer in model.model.layers:
+            dtorch.nn.fully_shard(layer)
+        dtorch.nn.fully_shard(model)
     opt = dtorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
                              zero_stage=args.zero)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps)

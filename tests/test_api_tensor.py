@@ -231,3 +231,21 @@ def test_view_placements_relabels_the_blocks():
     assert_close(whole.view((3, 8)), t.view((3, 8)), exact=True)
     with pytest.raises(ValueError, match="redistribute"):
         x.view([S0, S1])  # dp-sharded rows would be 2 of 4, the blocks hold all 4
+
+
+def test_data_setter_aliases_the_new_value_as_torch():
+    """``p.data = v``: the same tensor object (a Parameter stays one, requires_grad and all) now
+    aliases ``v``'s blocks in ``v``'s layout, as torch's; ``v`` is unchanged, and a write
+    through either shows in both."""
+    p = dtorch.nn.Parameter(dtorch.Tensor(sample((4, 6)), MESH, [R, R]))
+    t = sample((4, 6), seed=1)
+    v = dtorch.Tensor(t, MESH, [S0, S1])
+    p.data = v
+    assert isinstance(p, dtorch.nn.Parameter) and p.requires_grad and p.is_leaf
+    assert p.placements == [S0, S1]
+    assert_close(p, t, exact=True)
+    with torch.no_grad():
+        v.mul_(2)
+    assert_close(p, t * 2, exact=True)
+    with pytest.raises(TypeError, match="dtorch.Tensor"):
+        p.data = t

@@ -147,17 +147,29 @@ def needs_of(bound, operands):
 
 
 def recorded_call(s, bound) -> int:
-    """The id of ``bound``'s call as autograd records it: the RECORD flag, and two more operands
-    (values): the tape node's key, under which the hosts keep the kernel's graph, and the bits
-    of the operands that need a gradient (``needs_bits``)."""
+    """The id of ``bound``'s call as autograd records it: the RECORD flag, and three more
+    operands (values): the tape node's key, under which the hosts keep the kernel's graph, the
+    bits of the operands that need a gradient (``needs_bits``) and of those the graph must not
+    keep (``gathered_bits``)."""
     if bound.recorded is None:
         name, inputs, outs, static, flags = bound.define
-        bound.recorded = s.define_call(name, (*inputs, int, int), outs, static, flags | RECORD)
+        bound.recorded = s.define_call(name, (*inputs, int, int, int), outs, static,
+                                       flags | RECORD)
     return bound.recorded
 
 
 def needs_bits(needs) -> int:
     return sum(1 << k for k, need in enumerate(needs) if need)
+
+
+def gathered_bits(operands) -> int:
+    """The operands made by ``gathered``: the hosts' graph keeps no copy of their blocks."""
+    return sum(1 << k for k, o in enumerate(operands) if _is_gathered(o))
+
+
+def _is_gathered(o) -> bool:
+    node = getattr(o, "_node", None)
+    return node is not None and node.regather
 
 
 def record(bound, operands, outs, needs, key) -> None:
@@ -175,7 +187,7 @@ def gathered(p: Tensor, placements) -> Tensor:
     hosts' saved graphs: the backward gathers them again from ``p`` just before the VJPs that
     read them, so a gathered parameter lives only while a layer's forward or backward runs."""
     full = p.redistribute(placements=list(placements))
-    if full._node is not None:
+    if getattr(full, "_node", None) is not None:  # recorded: some tensor requires grad
         full._node.regather = True
     return full
 
@@ -220,15 +232,20 @@ def _vjp(node, grads, retain: bool = False) -> list:
              for g, spec in zip(grads, grad_specs)]
     needs = tuple(need and differentiable(o._spec) for o, need in zip(node.operands, node.needs))
     s = session.current()
-    key = ("vjp", node.call_id, needs, grad_specs, retain)
+    # the operands the hosts did not keep (``gathered``): gathered again, from their shards
+    dropped = tuple(k for k, o in enumerate(node.operands) if _is_gathered(o))
+    regathered = [_layout(node.operands[k]._node.operands[0], node.operands[k]._spec)
+                  for k in dropped]
+    key = ("vjp", node.call_id, needs, grad_specs, retain, dropped)
     bound = s.bound.get(key)
     if bound is None:
         outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
-        call_id = s.define_call(VJP_PREFIX + str(node.call_id), (int, *grad_specs), outs,
-                                (needs, retain), comm)  # a COMM kernel's VJP communicates
-        bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * len(grads))
+        ins = (int, *grad_specs, *(node.operands[k]._spec for k in dropped))
+        call_id = s.define_call(VJP_PREFIX + str(node.call_id), ins, outs,
+                                (needs, retain, dropped), comm)  # a COMM kernel's communicates
+        bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * (len(ins) - 1))
     with torch.no_grad():
-        result = dispatch.issue(s, bound, (node.key, *grads), s.site())
+        result = dispatch.issue(s, bound, (node.key, *grads, *regathered), s.site())
     found = iter(result if isinstance(result, tuple) else (result,))
     return [next(found) if need else None for need in needs]
 

@@ -83,7 +83,8 @@ def issue(s, b: Bound, operands, site: int):
         # the hosts keep the kernel's graph under key (a communicating kernel without
         # comm_grad has no VJP: its node refuses at backward, and keeps no graph meanwhile)
         key = next(ids)
-        call_id, vals = tape.recorded_call(s, b), (*vals, key, tape.needs_bits(needs))
+        call_id = tape.recorded_call(s, b)
+        vals = (*vals, key, tape.needs_bits(needs), tape.gathered_bits(operands))
     if b.single:
         t = symbol(next(ids), b.outs[0])
         s.append((P.OP, call_id, site, 0, t._id, *vals))

@@ -7,6 +7,7 @@ layout.
 """
 
 from . import functional, utils  # noqa: F401
+from .fsdp import fully_shard  # noqa: F401
 from .modules import *  # noqa: F401,F403
 from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
 from .parameter import Buffer, Parameter  # noqa: F401

@@ -6,8 +6,9 @@ import collections
 
 import torch
 
+from ..nn.fsdp import dp_sharded
 from ..ops.registry import issue
-from ..placement import Replicate, Shard
+from ..placement import Replicate
 from ..tensor import Tensor
 
 
@@ -24,6 +25,13 @@ class Optimizer(torch.optim.Optimizer):
                                 f"the params is {type(p).__name__}")
             if not p.is_leaf:
                 raise ValueError("can't optimize a non-leaf Tensor")
+            if self.zero_stage == 3 and dp_sharded(p.placements, p.dim(), p.device_mesh,
+                                                   self.dp_dim) != p.placements:
+                raise ValueError(f"{type(self).__name__}(zero_stage=3) updates parameters "
+                                 f"stored sharded on {self.dp_dim!r}, but one of shape "
+                                 f"{tuple(p.shape)} is {p.placements}; apply "
+                                 f"dtorch.nn.fully_shard to the model (each layer, then the "
+                                 f"root) before building the optimizer")
         for name, default in self.defaults.items():
             param_group.setdefault(name, default)
         param_group["params"] = params
@@ -133,20 +141,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def update_layout(self, p: Tensor) -> list:
         """Where ``p`` is updated and its state lives: its placements, Replicate where it is
-        Partial, and under ZeRO (``zero_stage`` >= 1) sharded on the data-parallel dim, along
-        the first tensor dim no other mesh dim shards (kept Replicate if there is none)."""
+        Partial, and under ZeRO (``zero_stage`` >= 1) sharded on the data-parallel dim as
+        ``fully_shard`` shards a parameter (``dp_sharded``: along the first tensor dim no other
+        mesh dim shards; kept Replicate if there is none). A parameter stored sharded
+        (``fully_shard``) is updated where it is."""
         layout = [Replicate() if q.is_partial() else q for q in p.placements]
-        mesh = p.device_mesh
-        if not self.zero_stage or not mesh.has_dim_name(self.dp_dim):
+        if not self.zero_stage:
             return layout
-        dp = mesh.dim_name_index(self.dp_dim)
-        if mesh.shape[dp] == 1 or layout[dp] != Replicate():
-            return layout
-        taken = {q.dim for q in layout if isinstance(q, Shard)}
-        free = [d for d in range(p.dim()) if d not in taken]
-        if free:
-            layout[dp] = Shard(free[0])
-        return layout
+        return dp_sharded(layout, p.dim(), p.device_mesh, self.dp_dim)
 
     def _state_like(self, p: Tensor) -> Tensor:
         """A zero state tensor laid out as ``p`` is updated (float32 beside master weights)."""
@@ -159,12 +161,14 @@ class Optimizer(torch.optim.Optimizer):
     def _options(self, zero_stage: int, dp_dim: str, master_weights: bool) -> None:
         """ZeRO through placements: stage 1 shards the state on ``dp_dim``, stage 2 the
         gradients too (``backward`` reduce-scatters them into ``.grad`` instead of
-        all-reducing them). ``master_weights``: bfloat16/float16 parameters are updated
-        through float32 copies, with float32 state."""
+        all-reducing them), stage 3 the parameters: it takes them stored sharded by
+        ``dtorch.nn.fully_shard`` (the optimizer sees parameters, not the layers whose forward
+        gathers them), refuses one that ZeRO would shard but is not, and keeps the state and
+        gradients laid out as they are. ``master_weights``: bfloat16/float16 parameters are
+        updated through float32 copies, with float32 state."""
         self.master_weights = bool(master_weights)
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r} (stage 3, "
-                             f"sharded parameters, is not supported yet)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         self.zero_stage, self.dp_dim = zero_stage, dp_dim
 
 

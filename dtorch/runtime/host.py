@@ -88,9 +88,9 @@ class HostCall:
             self.comm_dims = (kwargs["mesh_dim"],)
         elif name.startswith(P.VJP_PREFIX):
             forward = host.calls[int(name[len(P.VJP_PREFIX):])]
-            needs, retain = P.unpack_static(static)
+            needs, retain, dropped = P.unpack_static(static)
             self.fn, self.uses_context = vjp, True
-            kwargs = {"needs": tuple(needs), "retain": retain}
+            kwargs = {"needs": tuple(needs), "retain": retain, "dropped": tuple(dropped)}
             self.comm_dims = forward.comm_dims
             name = f"{forward.name} (backward)"  # how its errors name it
         else:
@@ -100,13 +100,14 @@ class HostCall:
             first = next((s for s in self.in_specs if s is not None), None)
             self.comm_dims = (tuple(op.comm_dims(self.in_specs, **kwargs)) if op.comm_dims
                               else tuple(range(len(first.mesh.shape))) if first else ())
-        # autograd: a recorded call keeps its graph (its last two operands: the key, the bits
-        # of the operands to differentiate), a VJP reads one (its first operand: the key)
+        # autograd: a recorded call keeps its graph (its last three operands: the key, the bits
+        # of the operands to differentiate and of those not to keep), a VJP reads one (its
+        # first operand: the key)
         self.saves = bool(flags & P.RECORD)
         self.reads_saved = name.endswith(" (backward)")
         if self.saves:  # the kernel and its context see the operands without key and bits
             self.fn, self.uses_context = recording(self.fn, self.uses_context), True
-            self.in_specs = self.in_specs[:-2]
+            self.in_specs = self.in_specs[:-3]
         self.name, self.kwargs = name, kwargs
         self.out_specs = [host.specs[i] for i in outputs]
         self.n_out = len(outputs)
@@ -233,8 +234,8 @@ class KernelRun:
         for blob in self.outputs:
             blob.error = error
         for call, _, inputs, _ in self.steps:  # a recorded call that did not run: its VJP fails
-            if call.saves and not hasattr(inputs[-2], "outs"):  # alike (``saved_slots``)
-                inputs[-2].error = error
+            if call.saves and not hasattr(inputs[-3], "outs"):  # alike (``saved_slots``)
+                inputs[-3].error = error
         if report:
             self.host.send(P.KernelError(P.KERNEL_ERROR, *error, self.key))
 
@@ -425,8 +426,8 @@ class Host:
         key (``on_release``) can never come before the kernel that fills it."""
         inputs = list(inputs)
         if call.saves:
-            key, slot = inputs[-2], Saved()
-            inputs[-2] = self.graphs.setdefault(key, {})[dev.index] = slot
+            key, slot = inputs[-3], Saved()
+            inputs[-3] = self.graphs.setdefault(key, {})[dev.index] = slot
             return inputs
         key, retain = inputs[0], call.kwargs["retain"]
         table = self.graphs.get(key, {})
