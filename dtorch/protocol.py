@@ -18,6 +18,15 @@ Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait wh
     for other streams), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
 Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
+Many machines (``cluster/node.py``, ``cluster/machines.py``): a node agent joins the main
+controller with NodeJoin and is answered NodeWelcome (its machine index and first device id);
+once its hosts are up it sends NodeReady, and from then on receives every batch (one copy per
+machine) as ``[NODE_BATCH, batch]`` and control messages (NodeWelcome, NodeBeat, NodeBye,
+StoreReply) as ``[NODE_CONTROL, record]``. Upstream it sends its hosts' messages as they are
+(a SYNCED only once all its hosts have synced), NodeBeat, NodeFailure, and its hosts'
+StoreRequests (the rendezvous store is the main controller's, ``cluster/store.py``). The client
+asks the controller about the cluster with a ClusterQuery record in its batch, answered with
+ClusterInfo on a socket of its own (``cluster/main_node.py``).
 Tracing (``dtorch.profiler``): the client's Trace record travels with the batch to every host,
 which switches its streams' recording at that point of their queues; a Trace off is followed by
 a Sync, and each host answers it with TraceEvents before its Synced, so the client has every
@@ -39,6 +48,17 @@ VIEW = 2  # output aliases operand 0's storage
 IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
 RECORD = 16  # autograd records it: the host keeps its autograd graph for the backward
+WRITES = 1 << 8  # WRITES << k: an INPLACE call also writes its operand k in place (``writes``)
+
+
+def writes(*operands: int) -> int:
+    """The flags of an INPLACE call that also writes these operands (an optimizer's state)."""
+    return sum(WRITES << k for k in operands)
+
+
+def written(flags: int) -> tuple:
+    """The operands besides operand 0 that a call with ``flags`` writes in place."""
+    return tuple(k for k in range(flags.bit_length() - 8) if flags & (WRITES << k))
 
 STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"), not an operator
 VJP_PREFIX = "vjp:"  # DefineCall.op of a vector-Jacobian product ("vjp:<forward call id>")
@@ -49,6 +69,15 @@ KERNEL, WAIT = 8, 9
 VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
 CHAIN = 17
 TRACE, TRACE_EVENTS = 18, 19
+GRAPH = 40  # (GRAPH, directory or None): where the controller writes each batch's graph (DOT)
+NODE_JOIN, NODE_WELCOME, NODE_READY, NODE_BEAT, NODE_FAILURE, NODE_BYE = range(20, 26)
+STORE_REQUEST, STORE_REPLY, CLUSTER_QUERY, CLUSTER_INFO = range(26, 30)
+
+# the first frame of what the main controller sends a node agent: a batch it relays to its
+# hosts without decoding it, or a control record for the agent itself
+NODE_BATCH, NODE_CONTROL = b"B", b"C"
+CONTROLLER = -1  # the host index of what the controller itself sends (a Synced, TraceEvents)
+CLIENT = -2  # the host index of the client's own TraceEvents (``dtorch.profiler``)
 
 
 class DefineMesh(NamedTuple):
@@ -89,7 +118,7 @@ class DefineCall(NamedTuple):
     inputs: list  # spec id per operand; 0 for a Python scalar (passed by value)
     outputs: list  # spec id per output
     static: bytes  # msgpack of the static args, decoded only by hosts (see pack_static)
-    flags: int  # INPLACE, VIEW, IMPURE, COMM (above)
+    flags: int  # INPLACE, VIEW, IMPURE, COMM, RECORD, WRITES (above)
 
 
 # Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
@@ -181,7 +210,7 @@ class KernelError(NamedTuple):
 class Synced(NamedTuple):
     tag: int
     token: int
-    host: int
+    host: int  # the host's index; from a node agent (all its hosts synced): its machine's
 
 
 class HostReady(NamedTuple):
@@ -193,6 +222,9 @@ class HostReady(NamedTuple):
 class Welcome(NamedTuple):
     tag: int
     store_path: str  # the FileStore that process groups rendezvous through
+    # on a machine of a cluster: the node agent's endpoint that relays the cluster's
+    # rendezvous store (``cluster/store.py``); store_path is then unused
+    store_relay: str = ""
 
 
 class Trace(NamedTuple):
@@ -206,8 +238,10 @@ class Trace(NamedTuple):
 
 class TraceEvents(NamedTuple):
     """One host's recorded kernels since its Trace on: ``events`` is a list of
-    ``[name, device, stream, start_ns, end_ns]`` (``time.time_ns()``, one clock for every
-    process of the machine)."""
+    ``[name, device, stream, start_ns, end_ns, site]`` (``time.time_ns()``, one clock for
+    every process of the machine; ``site``: the client's call-site index). The controller
+    answers too, as host ``CONTROLLER``, with one event per batch: its passes (device and
+    stream -1)."""
 
     tag: int
     request: int
@@ -220,6 +254,93 @@ class TraceEvents(NamedTuple):
 class Fatal(NamedTuple):
     tag: int
     message: str
+
+
+# -- many machines --------------------------------------------------------------------------------
+class NodeJoin(NamedTuple):
+    """A node agent asks to join; ``address`` is where its hosts' collectives listen."""
+
+    tag: int
+    name: str  # the machine's host name
+    address: str
+    device_type: str
+    devices: int  # how many devices it serves
+    rank: int  # its rank under a launcher (SLURM_PROCID, the Ray node's index), else -1
+    pid: int
+
+
+class NodeWelcome(NamedTuple):
+    tag: int
+    machine: int  # its index in the cluster (1, 2, ...: machine 0 is the main node)
+    first_device: int  # global id of its first device: ids go machine by machine
+
+
+class NodeReady(NamedTuple):
+    tag: int
+    hosts: int  # host processes started and connected
+
+
+class NodeBeat(NamedTuple):
+    """Sent both ways every ``config.heartbeat_interval_s``: each side declares the other gone
+    after ``config.heartbeat_timeout_s`` without any message."""
+
+    tag: int
+
+
+class NodeFailure(NamedTuple):
+    tag: int
+    message: str  # e.g. which of its hosts died, and how
+
+
+class NodeBye(NamedTuple):
+    tag: int
+    reason: str  # the runtime ended: the agent stops its hosts and waits for the next one
+
+
+class StoreRequest(NamedTuple):
+    """One call on the cluster's rendezvous store (``cluster/store.py``): ``op`` is a torch
+    Store method name, ``args`` its arguments."""
+
+    tag: int
+    client: str  # the asking store client's socket identity, which the reply goes to
+    op: str
+    args: list
+
+
+class StoreReply(NamedTuple):
+    tag: int
+    client: str
+    value: object  # what the Store method returns (bytes, int, bool or None)
+
+
+class ClusterQuery(NamedTuple):
+    """The client asks for the cluster's machines once at least ``min_nodes`` are ready, or
+    ``timeout_s`` has passed (0: at once); answered with ClusterInfo on ``reply_to``."""
+
+    tag: int
+    request: int
+    reply_to: str
+    min_nodes: int
+    timeout_s: float
+
+
+class Machine(NamedTuple):
+    """One ready machine of a cluster, as ClusterInfo lists it."""
+
+    index: int
+    name: str
+    address: str
+    device_type: str
+    first_device: int
+    devices: int
+    rank: int
+    pid: int
+
+
+class ClusterInfo(NamedTuple):
+    tag: int
+    request: int
+    machines: list  # Machine fields, one list per ready machine, by index
 
 
 def pack(records) -> bytes:

@@ -284,8 +284,10 @@ def test_zero_shards_state_and_gradients_on_dp(stage, grid):
     assert_same_params(model, ref)
     state = opt.state[up]
     assert state["exp_avg"].placements == [S1, S0]
-    with pytest.raises(ValueError, match="zero_stage"):
-        dtorch.optim.SGD(model.parameters(), lr=0.1, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=3.*apply dtorch.nn.fully_shard"):
+        dtorch.optim.SGD(model.parameters(), lr=0.1, zero_stage=3)  # parameters not sharded
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        dtorch.optim.SGD(model.parameters(), lr=0.1, zero_stage=4)
 
 
 def test_master_weights_keep_bfloat16_parameters_in_float32(grid):

@@ -259,8 +259,9 @@ def bind(s, op, operands, static) -> Bound:
     flags = op.flags | (INPLACE if kw.get("inplace") is True else 0)
     inplace = bool(flags & INPLACE)
     # the metadata rule has refused shape and dtype changes as torch does; placements remain
-    if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and placed.pre[0]):
-        raise inplace_error(call, placed)
+    if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and any(
+            placed.pre[k] for k in (0, *P.written(flags)) if k < len(placed.pre))):
+        raise inplace_error(call, placed)  # (operands it writes in place must be as they are)
     tensor_slots = [k for k, o in enumerate(operands) if isinstance(o, Tensor)]
     pre = tuple(
         (k, bind_redistribute(s, operands[k]._spec, operands[k]._spec.with_placements(target)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgpack
 
 from .. import protocol as P
-from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW
+from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW, WRITES, written
 from ..placement import Replicate
 from ..redistribute import COMM_STEPS, plan_redistribute
 from ..spec import intern_spec
@@ -162,6 +162,8 @@ def assign_streams(graph, nodes: list) -> list:
         write after read    an in-place kernel waits for the reads since the last write
         write after write   ... and for that write (a result is a fresh storage: no wait)
 
+    An in-place kernel writes operand 0, and the operands its ``WRITES`` flags name.
+
     A VIEW operator reads operand 0's storage (it may copy: ``contiguous``, ``reshape``) and its
     results alias it. A fetch reads on a stream already past the storage's last write and its
     view's making, so it waits for nothing; later writes on other streams wait for it."""
@@ -188,6 +190,9 @@ def assign_streams(graph, nodes: list) -> list:
                     after = _join(after, view[1], view[2])
             if flags & (INPLACE | VIEW):
                 after = _write_or_alias(st, node, s, pos, after)
+                if flags >= WRITES:  # the other operands it writes in place
+                    for k in written(flags):
+                        after = _write(st, node.operands[k], s, pos, after)
             else:
                 for o in node.outs:
                     storages[o] = [s, pos, pos, None, 0]
@@ -213,6 +218,25 @@ def assign_streams(graph, nodes: list) -> list:
     return out
 
 
+def _write(st: StreamState, base: int, s: int, pos: int, after):
+    """A write of tensor ``base``'s storage at position ``pos`` of stream ``s``, after every
+    access to it on the other streams. Returns what the kernel must come after."""
+    view = st.roots.get(base)
+    r = base if view is None else view[0]
+    m = st.storages.get(r)
+    if m is None:  # a tensor this runtime did not make: nothing to order against
+        st.storages[r] = [s, pos, pos, None, 0]
+        return after
+    if m[WRITER] != s:  # write after write, and after the reads on the writer's stream
+        after = _join(after, m[WRITER], m[LAST])
+    if m[OTHERS] is not None:
+        for t, p in m[OTHERS].items():  # write after read
+            if t != s:
+                after = _join(after, t, p)
+    m[:VIEWS] = s, pos, pos, None
+    return after
+
+
 def _join(after, t: int, pos: int) -> dict:
     """``after`` (None: empty) now also comes after position ``pos`` of stream ``t``."""
     if after is None:
@@ -233,24 +257,15 @@ def _touch(m: list, s: int, pos: int) -> None:
 
 
 def _write_or_alias(st: StreamState, node: Operator, s: int, pos: int, after):
-    """An in-place kernel writes operand 0's storage, after every access to it on the other
-    streams; a view's results share it. Returns what the kernel must come after."""
+    """An in-place kernel writes operand 0's storage (``_write``); a view's results share it.
+    Returns what the kernel must come after."""
     base = node.operands[0]
+    if node.call.flags & INPLACE:
+        return _write(st, base, s, pos, after)
     view = st.roots.get(base)
     r = base if view is None else view[0]
     m = st.storages.get(r)
-    if node.call.flags & INPLACE:
-        if m is None:  # a tensor this runtime did not make: nothing to order against
-            st.storages[r] = [s, pos, pos, None, 0]
-            return after
-        if m[WRITER] != s:  # write after write, and after the reads on the writer's stream
-            after = _join(after, m[WRITER], m[LAST])
-        if m[OTHERS] is not None:
-            for t, p in m[OTHERS].items():  # write after read
-                if t != s:
-                    after = _join(after, t, p)
-        m[:VIEWS] = s, pos, pos, None
-    elif m is None:
+    if m is None:
         for o in node.outs:
             st.storages[o] = [s, pos, pos, None, 0]
     else:

@@ -2,10 +2,12 @@
 single-tensor implementations (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``), so a dtorch
 optimizer's arithmetic is torch's, element for element.
 
-Each update is functional: it returns the new parameter and state blocks (the optimizer copies
-the parameter in place and keeps the new state), so every write is one the controller sees and
-orders. The step number and learning rate are operands passed as numbers, which travel as values:
-a scheduler changing the rate every step reuses one call shape.
+Each update is in place, as torch's: it writes the parameter (operand 0, which it returns) and
+its state (``sgd_update_``'s momentum buffer, ``adam_update_``'s moments), and its flags say so
+(``protocol.writes``), so the controller orders every other access to those storages around
+it (``passes.assign_streams``). The step number and learning rate are operands passed as
+numbers, which travel as values: a scheduler changing the rate every step reuses one call
+shape.
 
 The layout: parameter, gradient and state are laid out alike (the optimizer makes them so), and
 every element's update reads only that element, so any Shard or Replicate layout updates in
@@ -20,6 +22,7 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.sgd import sgd as _torch_sgd
 
 from ..placement import Replicate, Shard
+from ..protocol import INPLACE, writes
 from .registry import OpDef, register
 from .rules import Placed, expand
 
@@ -34,39 +37,37 @@ def alike_rule(call) -> Placed:
     return expand(call, rows)
 
 
-def _sgd_update(param, grad, momentum_buffer, lr, *, momentum, dampening, weight_decay,
-                nesterov, maximize, first):
-    param = param.clone()
-    buffers = [None if first or momentum == 0 else momentum_buffer.clone()]
+def _sgd_update_(param, grad, momentum_buffer, lr, *, momentum, dampening, weight_decay,
+                 nesterov, maximize, first):
+    """Without momentum the buffer is the gradient, which torch's update ignores."""
+    buffers = [None if first or momentum == 0 else momentum_buffer]
     _torch_sgd([param], [grad], buffers, weight_decay=weight_decay, momentum=momentum, lr=lr,
                dampening=dampening, nesterov=nesterov, maximize=maximize, foreach=False)
-    return param, (momentum_buffer if buffers[0] is None else buffers[0])
+    if first and momentum != 0:  # torch made the first buffer (the gradient): it is ours
+        momentum_buffer.copy_(buffers[0])
+    return param
 
 
-def _sgd_meta(param, grad, momentum_buffer, lr, **static):
-    return torch.empty_like(param), torch.empty_like(momentum_buffer)
-
-
-def _adam_update(param, grad, exp_avg, exp_avg_sq, step, lr, *, beta1, beta2, eps,
-                 weight_decay, maximize, decoupled):
-    param, exp_avg, exp_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+def _adam_update_(param, grad, exp_avg, exp_avg_sq, step, lr, *, beta1, beta2, eps,
+                  weight_decay, maximize, decoupled):
     # torch counts the step before the update: the count of the update being made
     _torch_adam([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step - 1))],
                 foreach=False, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
                 beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
-    return param, exp_avg, exp_avg_sq
+    return param
 
 
-def _adam_meta(param, grad, exp_avg, exp_avg_sq, step, lr, **static):
-    return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+def _update_meta(param, *operands, **static):
+    return param
 
 
-register(OpDef("sgd_update",
-               "sgd_update(param: Tensor, grad: Tensor, momentum_buffer: Tensor, lr: Tensor, *, "
-               "momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, "
-               "first=False)", _sgd_update, alike_rule, meta=_sgd_meta, function=False))
-register(OpDef("adam_update",
-               "adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, "
+register(OpDef("sgd_update_",
+               "sgd_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, lr: Tensor, "
+               "*, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "
+               "maximize=False, first=False)", _sgd_update_, alike_rule, meta=_update_meta,
+               flags=INPLACE | writes(2), function=False))
+register(OpDef("adam_update_",
+               "adam_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, "
                "step: Tensor, lr: Tensor, *, beta1=0.9, beta2=0.999, eps=1e-8, "
-               "weight_decay=0.0, maximize=False, decoupled=False)", _adam_update, alike_rule,
-               meta=_adam_meta, function=False))
+               "weight_decay=0.0, maximize=False, decoupled=False)", _adam_update_,
+               alike_rule, meta=_update_meta, flags=INPLACE | writes(2, 3), function=False))

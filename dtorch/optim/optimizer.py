@@ -56,7 +56,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``; each state tensor (dtorch, on any layout, or torch) is
-        laid out as its parameter is updated."""
+        laid out as its parameter is updated, in a copy of its own: the updates write the
+        state in place, and loading one optimizer's ``state_dict`` into another must not make
+        their steps write the same moments (torch's keeps a tensor whose dtype and device
+        already fit, so two torch optimizers would share it)."""
         groups, saved = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -76,10 +79,10 @@ class Optimizer(torch.optim.Optimizer):
         """A saved state value for parameter ``p``: a tensor laid out as ``_state_like(p)``
         (the step count, a torch scalar, stays one)."""
         like = self.update_layout(p)
-        if isinstance(value, Tensor):
-            if value.device_mesh == p.device_mesh and list(value.placements) == like:
-                return value
-            return value.redistribute(device_mesh=p.device_mesh, placements=like)
+        if isinstance(value, Tensor):  # (a redistribute's result may view value's blocks)
+            if value.device_mesh != p.device_mesh or list(value.placements) != like:
+                value = value.redistribute(device_mesh=p.device_mesh, placements=like)
+            return value.clone()
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             import dtorch
 
@@ -110,13 +113,14 @@ class Optimizer(torch.optim.Optimizer):
         """Issues the update of one parameter (its group's options, its state)."""
         raise NotImplementedError
 
-    def _apply(self, p: Tensor, state: dict, update, *tensors) -> tuple:
-        """Runs ``update(param, grad, *tensors) -> (new param, *new tensors)`` in ``p``'s
-        update layout (``update_layout``) and copies the new value into ``p``: under ZeRO each
-        device updates its chunk (a local slice of the parameter and gradient) and the chunks
-        are all-gathered; a Partial parameter is updated whole and split back. With master
-        weights, a low-precision ``p`` is updated through its float32 copy ``state["master"]``
-        (the gradient cast up), then rounded into ``p``."""
+    def _apply(self, p: Tensor, state: dict, update) -> None:
+        """Runs ``update(param, grad)``, which writes ``param`` and the state in place, in
+        ``p``'s update layout (``update_layout``): on ``p`` itself when that is its layout;
+        else on a copy laid out so, copied back into ``p``: under ZeRO each device updates its
+        chunk (a local slice of the parameter and gradient) and the chunks are all-gathered; a
+        Partial parameter is updated whole and split back. With master weights, a
+        low-precision ``p`` is updated through its float32 copy ``state["master"]`` (the
+        gradient cast up), then rounded into ``p``."""
         layout = self.update_layout(p)
 
         def laid_out(t):
@@ -126,15 +130,14 @@ class Optimizer(torch.optim.Optimizer):
         if self._keeps_master(p):
             if "master" not in state:
                 state["master"] = laid_out(p).to(torch.float32)
-            new, *rest = update(state["master"], grad.to(torch.float32), *tensors)
-            state["master"] = new
-            new = new.to(p.dtype)
+            new = update(state["master"], grad.to(torch.float32)).to(p.dtype)
         else:
-            new, *rest = update(laid_out(p), grad, *tensors)
+            new = update(laid_out(p), grad)
+            if new is p:
+                return
         if list(new.placements) != list(p.placements):
             new = new.redistribute(placements=p.placements)
         p.copy_(new)
-        return tuple(rest)
 
     def _keeps_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
@@ -199,14 +202,14 @@ class SGD(Optimizer):
         buf = state["momentum_buffer"] if not first else (
             self._state_like(p) if group["momentum"] else None)
 
-        def update(param, grad, buffer, group=group, first=first):
+        def update(param, grad, group=group, first=first):
             # no momentum: the gradient stands in for the buffer, which the update ignores
-            buffer = grad if buffer is None else buffer
-            return issue("sgd_update", (param, grad, buffer, float(group["lr"])),
+            return issue("sgd_update_", (param, grad, grad if buf is None else buf,
+                                         float(group["lr"])),
                          (group["momentum"], group["dampening"], group["weight_decay"],
                           group["nesterov"], group["maximize"], first))
 
-        (buf,) = self._apply(p, state, update, buf)
+        self._apply(p, state, update)
         if group["momentum"] != 0:
             state["momentum_buffer"] = buf
 
@@ -241,14 +244,13 @@ class Adam(Optimizer):
         state["step"] += 1
         beta1, beta2 = group["betas"]
 
-        def update(param, grad, exp_avg, exp_avg_sq, group=group, step=state["step"]):
-            return issue("adam_update",
-                         (param, grad, exp_avg, exp_avg_sq, float(step), float(group["lr"])),
+        def update(param, grad, group=group, step=state["step"]):
+            return issue("adam_update_", (param, grad, state["exp_avg"], state["exp_avg_sq"],
+                                          float(step), float(group["lr"])),
                          (beta1, beta2, group["eps"], group["weight_decay"],
                           group["maximize"], self.decoupled))
 
-        state["exp_avg"], state["exp_avg_sq"] = self._apply(
-            p, state, update, state["exp_avg"], state["exp_avg_sq"])
+        self._apply(p, state, update)
 
 
 class AdamW(Adam):
