@@ -215,6 +215,25 @@ def test_a_view_made_on_another_stream_orders_its_readers_and_fetches_after_its_
     assert again.waits == [STREAMS["A"]]
 
 
+def test_the_state_an_update_writes_in_place_is_ordered_as_its_parameter():
+    """An optimizer update (``protocol.writes``: INPLACE, and operand 2 written too) on graph
+    A: a comm-stream read of the state before it makes it wait (write after read), and a
+    comm-stream read after it waits for it (read after write), as for operand 0."""
+    g = stream_graph()
+    g.define([P.DEFINE_CALL, 17, "sgd_update_", [1, 1, 1], [1], b"", P.INPLACE | P.writes(2)])
+    p = Program(g)
+    p.make("A", 10), p.make("A", 11), p.make("A", 12)  # parameter, gradient, state
+    p.run()
+    before = p.read("comm", 12, 20)
+    update = p.issue("A", 17, 10, 10, 11, 12)
+    after = p.read("comm", 12, 21)
+    p.run()
+    assert before.waits == [STREAMS["A"]]  # the state's making
+    assert update.waits == [COMM_STREAM]  # write after the comm read of the state
+    assert after.waits == [STREAMS["A"]]  # read after the update's write
+    assert P.written(P.INPLACE | P.writes(2, 3)) == (2, 3) and P.written(P.INPLACE) == ()
+
+
 def test_reads_on_two_streams_are_not_ordered_but_a_write_waits_for_both():
     p = Program()
     p.make("A", 10)
