@@ -77,8 +77,7 @@ def test_logits_equal_hf(layout, gqa, tokens):
         torch.testing.assert_close(logits.to_torch(), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["one", "dp2", "tp2", "pp2", "ulysses2", "ring2",
-                                    "tp2-pp2-ulysses2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_generate_equals_hf(layout, gqa, tokens):
     model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of(layout))
     model.load_state_dict(gqa.state_dict())
