@@ -10,6 +10,7 @@ import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.autograd import tape
+from dtorch.client import dispatch
 from dtorch.ops.registry import REGISTRY, OpDef
 from dtorch.protocol import COMM
 
@@ -113,6 +114,43 @@ def test_data_and_tensor_parallel_mlp_against_torch(grid):
     for t, d in zip(ts, (dw1, dw2)):
         torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
     assert dw1.grad.placements == [R, S0] and dw2.grad.placements == [R, S1]
+
+
+def test_tensor_parallel_gradients_share_one_all_reduce(grid, monkeypatch):
+    """Column-parallel weights (Shard on tp, Replicate on dp) get gradients Partial on dp and
+    sharded on tp; laid out alike, they go in one bucket: one all-reduce of the devices' blocks
+    joined (``all_reduce_coalesced``), the shards kept, torch's values."""
+    ws, x = [g(8, 6, seed=k) for k in range(3)], g(10, 8, seed=5)
+    ts, ds = leaves(ws, grid, [[R, S1]] * 3)
+    sum(torch.tanh(x @ w).pow(2).mean() for w in ts).backward()
+    dx = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
+    loss = sum(F.tanh(dx @ w).pow(2).mean() for w in ds)
+    moves, bind = [], dispatch.bind_redistribute
+    monkeypatch.setattr(dispatch, "bind_redistribute",
+                        lambda s, src, dst: moves.append(src.shape) or bind(s, src, dst))
+    with dtorch.profiler.profile() as prof:
+        loss.backward()
+        dtorch.sync()
+    names = [e["name"] for e in prof.kernels() if e["pid"] == 0]
+    assert names.count("all_reduce_coalesced") == 1 and (8, 6) not in moves
+    for t, d in zip(ts, ds):
+        assert d.grad.placements == [R, S1]
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gradient_through_a_coalesced_all_reduce(grid):
+    """``all_reduce_coalesced`` differentiates through its collective: the results are the
+    operands' values, so their gradients come back whole (the same all-reduce, backwards)."""
+    from dtorch.ops.coalesced import all_reduce_coalesced
+
+    a, b, c = g(4, 6), g(5, seed=1), g(4, 6, seed=2)
+    ts, ds = leaves([a, b], grid, [[P_, S1], [P_, R]])
+    ((ts[0] * c).sin().sum() + ts[1].pow(3).sum()).backward()
+    whole_a, whole_b = all_reduce_coalesced(ds, (0,))
+    weight = dtorch.from_torch(c, device_mesh=grid, placements=[R, S1])
+    ((whole_a * weight).sin().sum() + whole_b.pow(3).sum()).backward()
+    for t, d in zip(ts, ds):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_duality_of_layouts():
@@ -224,7 +262,8 @@ def test_every_registry_op_has_a_gradient_or_names_why_not():
             by_vjp.append(name)
     assert {"add", "matmul", "softmax", "scaled_dot_product_attention", "embedding",
             "cross_entropy", "rms_norm", "vocab_parallel_embedding"} <= set(by_vjp)
-    assert by_collectives == ["_context_parallel_attention", "moe_experts"]
+    assert by_collectives == ["_context_parallel_attention", "all_reduce_coalesced",
+                              "moe_experts"]
     assert {"from_torch", "zeros_like"} <= set(composite)
     assert len(by_vjp) > 150 and not refused
     print(f"\nVJP: {len(by_vjp)} ops; through collectives: {by_collectives}; composite: "

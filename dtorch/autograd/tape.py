@@ -309,11 +309,13 @@ BUCKET_BYTES = 4 << 20
 
 class Buckets:
     """Final leaf gradients on their way into ``.grad``. Those whose layout change is only
-    all-reduces (Partial to Replicate, nothing sharded: a data-parallel weight's gradient) wait
-    in a bucket per (mesh, dtype, layouts) and go as one all-reduce of their concatenation once
-    the bucket holds ``BUCKET_BYTES`` or the walk ends: small gradients then pay one collective's
-    latency, not one each. Each bucket is issued as soon as it fills, so it runs on the
-    communication stream while the rest of the backward computes. The others land at once."""
+    all-reduces (Partial to Replicate on some mesh dims, every other placement kept: a
+    data-parallel weight's gradient, tensor-parallel ones too) wait in a bucket per (mesh,
+    dtype, layouts) and go as one all-reduce of their blocks joined
+    (``ops/coalesced.all_reduce_coalesced``) once the bucket holds ``BUCKET_BYTES`` or the walk
+    ends: small gradients then pay one collective's latency, not one each. Each bucket is issued
+    as soon as it fills, so it runs on the communication stream while the rest of the backward
+    computes. The others (a reduce-scatter into ZeRO-2's shards, a pipeline hop) land at once."""
 
     def __init__(self):
         self.open: dict = {}  # key -> [(leaf, g)], bytes
@@ -322,7 +324,7 @@ class Buckets:
         if not leaf.requires_grad:
             return
         target = _grad_spec(leaf)
-        if not _reduces_only(g._spec, target):
+        if _reduced_dims(g._spec, target) is None:
             return _accumulate(leaf, _layout(g, target))
         key = (target.mesh, target.dtype, g._spec.placements, target.placements)
         entries, size = self.open.get(key, ([], 0))
@@ -339,25 +341,30 @@ class Buckets:
 
     @staticmethod
     def _reduce(entries) -> None:
-        import dtorch
+        from ..ops.coalesced import all_reduce_coalesced
 
         if len(entries) == 1:
             leaf, g = entries[0]
             return _accumulate(leaf, _layout(g, _grad_spec(leaf)))
-        target = _grad_spec(entries[0][0])
-        flat = dtorch.cat([g.reshape(-1) for _, g in entries])
-        flat = flat.redistribute(placements=list(target.placements))
-        pieces = flat.split([g.numel() for _, g in entries])
-        for (leaf, g), piece in zip(entries, pieces):
-            _accumulate(leaf, piece.view(tuple(g.shape)))
+        dims = _reduced_dims(entries[0][1]._spec, _grad_spec(entries[0][0]))
+        reduced = all_reduce_coalesced([g for _, g in entries], dims)
+        for (leaf, _), g in zip(entries, reduced):
+            _accumulate(leaf, g)
 
 
-def _reduces_only(src, dst) -> bool:
-    """Whether ``src`` becomes ``dst`` by all-reduces alone (Partial sums to Replicate, the
-    other mesh dims Replicate on both), on one mesh."""
-    return src.mesh == dst.mesh and src.placements != dst.placements and all(
-        d.is_replicate() and (s.is_replicate() or (s.is_partial() and s.reduce_op == "sum"))
-        for s, d in zip(src.placements, dst.placements))
+def _reduced_dims(src, dst):
+    """The mesh dims on which ``src`` becomes ``dst`` by all-reduces alone (Partial(sum) to
+    Replicate, every other placement the same), on one mesh; None if it does not."""
+    if src.mesh != dst.mesh or src.placements == dst.placements:
+        return None
+    dims = []
+    for i, (s, d) in enumerate(zip(src.placements, dst.placements)):
+        if s == d:
+            continue
+        if not (d.is_replicate() and s.is_partial() and s.reduce_op == "sum"):
+            return None
+        dims.append(i)
+    return tuple(dims)
 
 
 def _accumulate(leaf, g) -> None:

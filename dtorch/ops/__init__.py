@@ -10,4 +10,5 @@ from . import vocab  # noqa: F401,E402  (vocabulary-parallel embedding)
 from . import attention  # noqa: F401,E402  (attention, context parallelism)
 from . import moe  # noqa: F401,E402  (mixture-of-experts dispatch and experts)
 from . import optim  # noqa: F401,E402  (optimizer updates)
+from . import coalesced  # noqa: F401,E402  (one all-reduce of a gradient bucket)
 from .registry import REGISTRY, OpDef, lookup, register  # noqa: F401
