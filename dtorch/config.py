@@ -1,7 +1,11 @@
 """The runtime's knobs, in one place. Each reads an environment variable at import and can be
 changed for a scope with ``with dtorch.config.override(debug=1): ...``.
 
-- debug (DTORCH_DEBUG): 1 logs each batch the controller dispatches, 2 also every kernel.
+- debug (DTORCH_DEBUG): 1 logs each batch the controller dispatches, 2 also every kernel;
+  ``graph`` writes each batch's graph (below) to ``./dtorch-graphs``.
+- graph_dir (DTORCH_GRAPH_DIR): where the controller writes each batch's LogicalGraph after the
+  passes, as Graphviz DOT (``controller/dot.py``; ``dtorch.profiler.graph`` sets it for a
+  block); None: nowhere.
 - cpu_hosts (DTORCH_CPU_HOSTS): host processes serving CPU devices (device d runs in host
   d % cpu_hosts, on threads of its own); default: the number of cores, at most 8.
 - flush_records: records buffered before the client sends a batch.
@@ -15,6 +19,8 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   dead (a stopped, deadlocked or vanished process), kills it and fails the runtime.
 - collective_timeout_s (DTORCH_COLLECTIVE_TIMEOUT): deadline of one collective (and of a process
   group's rendezvous); past it the collective raises, naming the op and its call site.
+- machine_devices: on a machine of a cluster (its node agent and hosts), the global ids its
+  devices have, as (first, count); None on one machine, where every id is this machine's.
 - max_inflight_ops (DTORCH_MAX_INFLIGHT_OPS): records the client may have sent but not yet seen
   executed; past it the user's thread blocks, so memory stays flat however far ahead a program
   runs.
@@ -30,7 +36,9 @@ import contextlib
 import math
 import os
 
-debug = int(os.environ.get("DTORCH_DEBUG", "0"))
+_debug = os.environ.get("DTORCH_DEBUG", "0")
+debug = int(_debug) if _debug.isdigit() else 0
+graph_dir = os.environ.get("DTORCH_GRAPH_DIR") or ("dtorch-graphs" if _debug == "graph" else None)
 cpu_hosts = int(os.environ.get("DTORCH_CPU_HOSTS", "0")) or min(os.cpu_count() or 1, 8)
 flush_records = 4096
 flush_delay_s = 0.0005
@@ -40,6 +48,7 @@ heartbeat_interval_s = 0.25
 heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
 collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
 max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
+machine_devices = None
 
 
 def seconds_from_env(name: str, environ, default: float | None = None) -> float | None:

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 
@@ -86,6 +87,8 @@ def release_id(tensor_id: int) -> None:
         records = s.records
         if not records:
             s._wake.set()
+            if s.tracing is not None:
+                s.batch_started = time.time_ns()
         records.append(tensor_id)
 
 
@@ -110,6 +113,8 @@ class Session:
         self.site_names: list = ["<unknown>"]
         self.pending: dict = {}  # request -> (future, spec, pieces)
         self.traces: dict = {}  # request -> the TraceEvents received for a trace stop
+        self.tracing = None  # while tracing, the client's spans: [(name, -2, 0, t0, t1, 0)]
+        self.batch_started = 0  # while tracing, time.time_ns() at the batch's first record
         self.errors: list = []  # kernel errors not raised yet (at most MAX_ERRORS)
         self.more_errors = 0  # how many more were reported
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
@@ -152,6 +157,8 @@ class Session:
         records = self.records
         if not records:
             self._wake.set()
+            if self.tracing is not None:
+                self.batch_started = time.time_ns()
         records.append(record)
         if len(records) >= config.flush_records:
             self.flush()
@@ -174,12 +181,19 @@ class Session:
             # Popped, not iterated: ``release`` appends from ``__del__`` on any thread meanwhile.
             # Ctrl-C waits for the send, so a batch taken from the buffer is always sent.
             with _sigint_deferred():
+                spans = self.tracing  # the flusher thread may run this while a trace stops
+                flushed = time.time_ns() if spans is not None else 0
                 batch = [records.popleft() for _ in range(n)]
                 try:
                     frame = P.pack(batch)
                 except Exception:  # noqa: BLE001 - one bad record must not take the batch along
                     frame = P.pack(self._take_unsendable(batch))
                 self._send(frame)
+                if flushed:
+                    spans += [(f"issue {n} records", P.CLIENT, 0, self.batch_started,
+                                      flushed, 0),
+                                     (f"flush {n} records", P.CLIENT, 1, flushed,
+                                      time.time_ns(), 0)]
             self.unmarked += n
             if self.unmarked * MARKS >= config.max_inflight_ops:
                 self._mark()
@@ -320,6 +334,7 @@ class Session:
         """Starts kernel recording on every host (None), or stops it and returns each host's
         TraceEvents (``protocol.Trace``): they all arrive before the sync that follows."""
         if on:
+            self.tracing, self.batch_started = [], time.time_ns()  # (a batch may be under way)
             self.append(P.Trace(P.TRACE, True, 0))
             self.flush()
             return None
@@ -330,7 +345,9 @@ class Session:
             self.sync()
         finally:
             received = self.traces.pop(request)
-        return [P.TraceEvents(*m) for m in received]
+            spans, self.tracing = self.tracing or [], None
+        return [P.TraceEvents(*m) for m in received] + [
+            P.TraceEvents(P.TRACE_EVENTS, request, P.CLIENT, os.getpid(), 0, spans)]
 
     def raise_alarm(self) -> None:
         """The runtime's failure, or the records that could not be sent (then the runtime

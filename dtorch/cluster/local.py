@@ -120,7 +120,7 @@ def stop_all(children, timeout: float) -> None:
 # client's public API, which imports torch): the controller never needs torch and starts in a
 # fraction of the time, and no role runs the client's code. ``child_main`` runs before the module
 # is imported, so the heartbeat beats while a host spends seconds importing torch.
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = (
     "import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
     "sys.modules['dtorch'] = p; from dtorch.cluster.local import child_main; "
@@ -136,7 +136,7 @@ def spawn(name: str, module: str, args, keys) -> Child:
     parent_r, parent_w = os.pipe()  # the child watches parent_r
     life_r, life_w = os.pipe()  # the parent watches life_r
     popen = subprocess.Popen(
-        [sys.executable, "-c", _BOOT.format(pkg=_PACKAGE_DIR, module=module),
+        [sys.executable, "-c", _BOOT.format(pkg=PACKAGE_DIR, module=module),
          "--parent-fd", str(parent_r), "--life-fd", str(life_w), *map(str, args)],
         pass_fds=(parent_r, life_w),
         stdin=subprocess.DEVNULL,
@@ -228,19 +228,35 @@ def _read_exactly(fd: int, n: int) -> bytes:
 def host_index(device_type: str, device: int) -> int:
     """Which host process serves a device: one per GPU; CPU devices round-robin over
     ``config.cpu_hosts`` processes (several devices to a process, each on its own threads).
-    CUDA hosts are numbered after the CPU ones."""
+    CUDA hosts are numbered after the CPU ones. On a machine of a cluster, device ids are global
+    (``config.machine_devices``): a device of another machine has no host here (-1)."""
+    if config.machine_devices is not None:
+        first, count = config.machine_devices
+        if not first <= device < first + count:
+            return -1
+        device -= first
     if device_type == "cpu":
         return device % config.cpu_hosts
     return config.cpu_hosts + device
 
 
 def start_controller(ops_addr: str, results_addr: str, keys) -> Child:
+    """The controller; the main node of a cluster when ``MainNode`` has an address (it then
+    listens there for node agents holding the cluster's token)."""
+    from .main_node import cluster_settings
+
+    cluster = cluster_settings()  # checked here: a bad token file raises at the user's call
+    extra = ["--node-address", cluster.address, "--token-file", cluster.token_file] if cluster \
+        else []
     return spawn("controller", "dtorch.controller.main",
-                 ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts],
-                 keys)
+                 ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts,
+                  *extra], keys)
 
 
 def start_host(index: int, device_type: str, controller_addr: str, keys) -> Child:
+    """Host ``index`` of this machine; on a cluster's machine it serves the devices of
+    ``config.machine_devices`` (global ids)."""
+    machine = ["--devices", "%d:%d" % config.machine_devices] if config.machine_devices else []
     return spawn(f"host {index}", "dtorch.runtime.host",
                  ["--index", index, "--device-type", device_type, "--controller",
-                  controller_addr, "--cpu-hosts", config.cpu_hosts], keys)
+                  controller_addr, "--cpu-hosts", config.cpu_hosts, *machine], keys)

@@ -1,17 +1,23 @@
-"""MainNode: DTorch's handle on the cluster's main node, for one machine.
+"""MainNode: DTorch's handle on the cluster's main node, the machine the program runs on.
 
-The main node is the machine the program runs on; in dtorch it is the user's process with its
-controller and host processes, all on this machine, their sockets bound to ``config.bind_host``
-(loopback unless ``DTORCH_BIND_HOST`` says otherwise) on ports the system picks. Clusters of
-several machines (node agents started by a CLI on each one) are a later feature, so:
+On one machine nothing needs declaring: the controller and hosts are this machine's processes,
+their sockets bound to ``config.bind_host`` (loopback unless ``DTORCH_BIND_HOST`` says
+otherwise). A program becomes a cluster's main node when it is given an address before the
+runtime starts (``set_address``, else ``DTORCH_MAIN_NODE_ADDRESS``) and a token file
+(``set_token_file``, else ``DTORCH_TOKEN_FILE``; ``dtorch token FILE`` makes one): its
+controller then listens there for node agents holding that token (``cluster/machines.py``), one
+per machine (``dtorch node``, ``docs/cluster.md``), and runs no host of its own (run an agent on
+the main machine too to use its devices).
 
-- ``set_address`` checks and keeps the address a multi-machine cluster would listen on; it does
-  not move any socket. As in DTorch, it must come before the runtime starts.
-- ``get_address`` answers it, else ``DTORCH_MAIN_NODE_ADDRESS``, else ``<bind_host>:0``: port 0
-  because dtorch has no fixed port; each socket takes a free one.
-- ``wait_cluster_ready(n)`` is True at once for one machine and raises ``NotImplementedError``
-  for more (waiting for machines that cannot join would only spend the timeout).
-- ``num_node_in_cluster`` is 1.
+- ``wait_cluster_ready(n, timeout_second)`` starts the runtime and returns True once ``n``
+  machines are ready (False when the time runs out); ``num_node_in_cluster`` counts them.
+- ``devices()`` (``dtorch.cluster.devices()``) lists the global device ids, numbered machine by
+  machine in the order machines joined, with their machine: a mesh may name any of them, and a
+  machine that joins later adds ids for the meshes made after.
+- ``get_address`` answers the address, else ``<bind_host>:0`` (one machine: no fixed port).
+
+The questions travel to the controller as ClusterQuery records among the program's operators;
+the answers come back on a socket of this module's, which admits only the runtime's processes.
 
 >>> from dtorch.cluster.main_node import MainNode
 >>> MainNode.num_node_in_cluster(), MainNode.wait_cluster_ready(1)
@@ -22,11 +28,36 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import time
+from typing import NamedTuple
 
-from .. import config
+import zmq
+
+from .. import config, protocol as P
+from . import auth
 
 ENV = "DTORCH_MAIN_NODE_ADDRESS"
+TOKEN_ENV = "DTORCH_TOKEN_FILE"
+ANSWER_GRACE_S = 10.0  # how much longer than its own timeout a query may take to be answered
 _address = None  # set_address's, checked
+_token_file = None  # set_token_file's
+_asker = None  # (session, context, reply socket, its address): see _ask
+
+
+class ClusterSettings(NamedTuple):
+    address: str  # where the main controller listens for node agents
+    token_file: str
+
+
+class ClusterDevice(NamedTuple):
+    """A device of the cluster: its global ``id`` (what a DeviceMesh names) and machine."""
+
+    id: int
+    device_type: str
+    machine: int  # 1, 2, ... in the order machines joined (0: the main node itself)
+    name: str  # the machine's host name
+    address: str  # where its collectives listen
 
 
 def check_address(address, source: str = "the address") -> str:
@@ -44,6 +75,24 @@ def check_address(address, source: str = "the address") -> str:
         raise ValueError(f"{source} {address!r} is not 'IPv4:port' (e.g. '10.0.0.1:13000'; "
                          f"hostnames are not accepted)")
     return address
+
+
+def cluster_settings() -> ClusterSettings | None:
+    """The main node's settings when this program is a cluster's main node (None on one
+    machine). A missing or unsafe token raises, naming the fix, at the call that starts the
+    runtime."""
+    address = _address
+    if address is None and os.environ.get(ENV):
+        address = check_address(os.environ[ENV], ENV)
+    if address is None:
+        return None
+    token = _token_file or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ValueError(f"the main node at {address} needs a token file, which its node agents "
+                         f"hold too: MainNode.set_token_file(path) or {TOKEN_ENV}=path "
+                         f"(`dtorch token path` makes one)")
+    auth.read_token(token)
+    return ClusterSettings(address, os.path.abspath(token))
 
 
 def _runtime_started() -> bool:
@@ -67,6 +116,17 @@ class MainNode:
         _address = address
 
     @staticmethod
+    def set_token_file(path: str) -> None:
+        """The cluster's token file, which every node agent reads too (``dtorch token FILE``
+        writes one). Like ``set_address``, only before the runtime starts."""
+        global _token_file
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"the token file must be a path, not {type(path).__name__}")
+        if _runtime_started():
+            raise ValueError("Cluster already start, node type: main")
+        _token_file = os.path.expanduser(os.fspath(path))
+
+    @staticmethod
     def get_address() -> str:
         """``set_address``'s address, else ``DTORCH_MAIN_NODE_ADDRESS``, else
         ``<config.bind_host>:0`` (the address this machine's runtime binds to; any port)."""
@@ -78,18 +138,81 @@ class MainNode:
 
     @staticmethod
     def wait_cluster_ready(num_nodes: int, timeout_second: float = 600) -> bool:
-        """True when ``num_nodes`` machines are in the cluster: at once for ``num_nodes <= 1``
-        (this machine). More: ``NotImplementedError``, since dtorch runs on one machine yet."""
+        """True once ``num_nodes`` machines are ready, False after ``timeout_second``. Starts
+        the runtime. One machine (no address set): True for ``num_nodes <= 1``; more cannot
+        come, which raises naming how to make this program a main node."""
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
             raise TypeError(f"num_nodes must be an int, not {type(num_nodes).__name__}")
-        if num_nodes <= 1:
-            return True
-        raise NotImplementedError(
-            f"MainNode.wait_cluster_ready({num_nodes}): dtorch runs on one machine for now "
-            f"(its devices and processes); clusters of several machines are a later feature"
-        )
+        if cluster_settings() is None:
+            if num_nodes <= 1:
+                return True
+            raise RuntimeError(
+                f"MainNode.wait_cluster_ready({num_nodes}): this program is not a cluster's main "
+                f"node, so no machine can join it: call MainNode.set_address('IPv4:port') and "
+                f"MainNode.set_token_file(path) (or set {ENV} and {TOKEN_ENV}) before the "
+                f"runtime starts, and run `dtorch node` on each machine (docs/cluster.md)")
+        return len(_ask(num_nodes, timeout_second)) >= num_nodes
 
     @staticmethod
     def num_node_in_cluster() -> int:
-        """The machines in the cluster: 1, this one."""
-        return 1
+        """The ready machines of the cluster (1, this one, when it is not a cluster)."""
+        if cluster_settings() is None:
+            return 1
+        return len(_ask(0, 0.0))
+
+
+def devices() -> list:
+    """The cluster's devices (``ClusterDevice``), by global id. On one machine: this machine's
+    GPUs, else one CPU device per CPU host process (CPU ids are logical there: any id works)."""
+    if cluster_settings() is None:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        kind, n = ("cuda", n) if n else ("cpu", config.cpu_hosts)
+        return [ClusterDevice(d, kind, 0, socket.gethostname(), config.bind_host)
+                for d in range(n)]
+    return [ClusterDevice(m.first_device + k, m.device_type, m.index, m.name, m.address)
+            for m in _ask(0, 0.0) for k in range(m.devices)]
+
+
+def _ask(min_nodes: int, timeout_s: float) -> list:
+    """The ready machines (``protocol.Machine``), once at least ``min_nodes`` are or
+    ``timeout_s`` has passed. Raises if the runtime fails meanwhile."""
+    from ..client import session
+
+    s = session.current()
+    reply, address = _reply_socket(s)
+    request = next(s.requests)
+    s.append(P.ClusterQuery(P.CLUSTER_QUERY, request, address, min_nodes, float(timeout_s)))
+    s.flush()
+    give_up = time.monotonic() + timeout_s + ANSWER_GRACE_S
+    while True:
+        if reply.poll(int(config.heartbeat_interval_s * 1000)):
+            info = P.ClusterInfo(*P.unpack(reply.recv()))
+            if info.request == request:  # (an earlier, abandoned question's answer: dropped)
+                return [P.Machine(*m) for m in info.machines]
+        elif s.alarm:
+            s.raise_alarm()
+        elif time.monotonic() > give_up:
+            raise TimeoutError(f"the dtorch controller did not answer a question about the "
+                               f"cluster within {timeout_s + ANSWER_GRACE_S:.0f} s")
+
+
+def _reply_socket(s):
+    """This session's answer socket, in a zmq context of this module's (a socket left in the
+    session's context would block its termination)."""
+    global _asker
+    if _asker is not None and _asker[0] is s:
+        return _asker[2], _asker[3]
+    if _asker is not None:
+        _asker[2].close(0)
+        _asker[1].term()
+    ctx = zmq.Context()
+    auth.Gatekeeper(ctx, s.keys)
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    auth.serve(sock, s.keys)
+    sock.bind(f"tcp://{config.bind_host}:*")
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    _asker = (s, ctx, sock, address)
+    return sock, address

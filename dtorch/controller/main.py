@@ -11,6 +11,13 @@ not grow with the device count.
 Every socket is authenticated (``cluster/auth.py``). The process groups' rendezvous store is a
 file in a directory only this user can enter, not a network port: on one machine no other user
 can read or write it.
+
+The main node of a cluster (``--node-address``) starts no host of its own: node agents join it
+(``cluster/machines.py``), each relaying every batch to its machine's hosts, and the controller
+treats each ready machine as one more peer: it gets one copy of each batch, its sync
+acknowledgement counts once, its hosts' messages reach the client as local hosts' do, and its
+failure or silence fails the runtime naming the machine. The rendezvous store is then a table
+here that the hosts reach through their agents (``cluster/store.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import zmq
 
 from .. import config, protocol as P
 from ..cluster import auth, local
+from ..cluster.machines import Machine, Machines
 from .graph import LogicalGraph, Operator
+from .dot import to_dot
 from .passes import PASSES, Chain, StreamState
 
 
@@ -50,7 +59,8 @@ class HostHandle:
 
 
 class Controller:
-    def __init__(self, ops_addr: str, results_addr: str, keys: auth.Keys):
+    def __init__(self, ops_addr: str, results_addr: str, keys: auth.Keys,
+                 node_address: str | None = None, cluster_keys: auth.Keys | None = None):
         self.keys = keys
         self.ctx = zmq.Context()
         self.gatekeeper = auth.Gatekeeper(self.ctx, keys)
@@ -78,12 +88,20 @@ class Controller:
         self.hosts: dict = {}  # host index -> HostHandle
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
-        self.syncs: dict = {}  # token -> host indices yet to acknowledge
+        self.syncs: dict = {}  # token -> hosts (or machines) yet to acknowledge
         # the process groups' rendezvous store (a torch FileStore), private to this user
         self.store_dir = tempfile.mkdtemp(prefix="dtorch-store-")
         self.death = None  # (message, when to report it): a host died, its peers may report
         self.tracing = False  # a Trace on is in force: a host that starts now must trace too
+        self.trace_events = None  # from a Trace on to its stop: each batch's passes
+        self.graph_dir = config.graph_dir  # where each batch's graph goes (DOT), or None
+        self.graphs_written = 0
         self.running = True
+        self.machines = None  # a cluster's main node: the node agents (cluster/machines.py)
+        if node_address is not None:
+            self.machines = Machines(self.ctx, self.gatekeeper, node_address, cluster_keys, keys)
+            self.poller.register(self.machines.sock, zmq.POLLIN)
+            self.poller.register(self.machines.watch.monitor, zmq.POLLIN)
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -94,6 +112,10 @@ class Controller:
                     self.on_client_frame(self.ops.recv(copy=False))
                 elif sock is self.host_sock:
                     self.on_host(self.host_sock.recv_multipart(copy=False))
+                elif self.machines is not None and sock is self.machines.sock:
+                    self.on_machine(self.machines.sock.recv_multipart(copy=False))
+                elif self.machines is not None and sock is self.machines.watch.monitor:
+                    self.machines.watch.on_event()
                 else:
                     host = self.life_fds[sock]
                     if not host.child.read_life():
@@ -111,8 +133,8 @@ class Controller:
         self.on_batch(records)
 
     def on_batch(self, records: list) -> None:
-        t0 = time.perf_counter()
-        nodes, calls = [], self.graph.calls
+        t0, started = time.perf_counter(), time.time_ns()  # the hosts' trace clock: time_ns
+        nodes, calls, stop = [], self.graph.calls, None
         for rec in records:
             if type(rec) is int:
                 nodes.append(rec)
@@ -122,23 +144,46 @@ class Controller:
                 self.graph.define(rec)
                 if rec[0] == P.DEFINE_MESH:
                     mesh = P.DefineMesh(*rec)
-                    self.ensure_hosts(mesh.device_type, mesh.devices)
+                    if self.machines is None:
+                        self.ensure_hosts(mesh.device_type, mesh.devices)
+                    elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
+                        self.fatal(error)
+                        return
                 if rec[0] != P.DEFINE_CALL or P.DefineCall(*rec).op != "redistribute":
                     nodes.append(rec)
             elif rec[0] == P.SYNC:
-                self.syncs[P.Sync(*rec).token] = {h.index for h in self.hosts.values()}
+                self.syncs[P.Sync(*rec).token] = set(self.peers())
                 nodes.append(rec)
+            elif rec[0] == P.CLUSTER_QUERY:
+                if self.machines is not None:  # MainNode asks only a cluster's main node
+                    self.machines.query(rec)
             elif rec[0] == P.SHUTDOWN:
                 self.running = False
+            elif rec[0] == P.GRAPH:
+                self.graph_dir = rec[1]
             elif rec[0] == P.TRACE:
-                self.tracing = bool(P.Trace(*rec).on)
+                trace = P.Trace(*rec)
+                self.tracing = bool(trace.on)
+                self.trace_events = [] if trace.on else self.trace_events
+                stop = None if trace.on else trace.request
                 nodes.append(rec)
             else:
                 nodes.append(rec)
         n_in = len(nodes)
         for run_pass in PASSES:
             nodes = run_pass(self.graph, nodes)
-        self.send_to_hosts(self.encode(nodes))
+        if self.graph_dir is not None and nodes:
+            self.write_graph(nodes)
+        records_out = self.encode(nodes)
+        if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
+            self.trace_events.append(
+                (f"passes: {len(records)} records -> {len(records_out)}", P.CONTROLLER,
+                 P.CONTROLLER, started, time.time_ns(), 0))
+            if stop is not None:  # the batch that stopped the trace: answer with the hosts
+                self.results.send(P.pack(P.TraceEvents(
+                    P.TRACE_EVENTS, stop, P.CONTROLLER, os.getpid(), 0, self.trace_events)))
+                self.trace_events = None
+        self.send_to_hosts(records_out)
         for token, waiting in list(self.syncs.items()):
             if not waiting:
                 self.ack_sync(token)
@@ -147,6 +192,17 @@ class Controller:
             print(f"[dtorch controller] batch: {len(records)} records, {n_in} nodes -> "
                   f"{len(nodes)} after {[p.__name__ for p in PASSES]}, {ms:.2f} ms",
                   file=sys.stderr)
+
+    def write_graph(self, nodes: list) -> None:
+        """The batch after the passes, as DOT in ``graph_dir`` (``batch-000001.dot`` ...)."""
+        self.graphs_written += 1
+        name = f"batch-{self.graphs_written:06d}"
+        try:
+            os.makedirs(self.graph_dir, exist_ok=True)
+            with open(os.path.join(self.graph_dir, name + ".dot"), "w") as f:
+                f.write(to_dot(nodes, name))
+        except OSError as e:  # a debugging aid: the program goes on without it
+            log.warning("dtorch controller: cannot write the graph of %s: %s", name, e)
 
     @staticmethod
     def encode(nodes: list) -> list:
@@ -168,19 +224,31 @@ class Controller:
             out.append(node)
         return out
 
+    def peers(self) -> list:
+        """Who receives every batch and acknowledges every sync: the hosts, or on a cluster's
+        main node the ready machines."""
+        if self.machines is None:
+            return list(self.hosts.values())
+        return self.machines.ready_machines()
+
     def send_to_hosts(self, records: list) -> None:
         if not records:
             return
         frame = P.pack(records)
-        for host in self.hosts.values():
-            if host.ready:
-                self.send(host, frame)
+        for peer in self.peers():
+            if peer.ready:
+                self.send(peer, frame)
             else:
-                host.backlog.append(frame)
+                peer.backlog.append(frame)
 
-    def send(self, host: HostHandle, frame) -> None:
-        """A frame to one host. A send to a host whose connection has closed fails: that host
-        has died or is dying, and its death (its pipe closes soon after) is what to report."""
+    def send(self, host, frame) -> None:
+        """A frame to one host or machine. A send to a host whose connection has closed fails:
+        that host has died or is dying, and its death (its pipe closes soon after) is what to
+        report."""
+        if isinstance(host, Machine):
+            if not self.machines.send(host, P.NODE_BATCH, frame):
+                self.on_peer_death(host, f"{host.describe()} closed its connection")
+            return
         try:
             self.host_sock.send_multipart([host.identity, frame], copy=False)
         except zmq.ZMQError as e:
@@ -216,6 +284,35 @@ class Controller:
         if host is None:
             log.error("dtorch controller: dropped a frame from unknown host %r", frames[0].bytes)
             return
+        self.on_peer_message(host, tag, msg, frames)
+
+    def on_machine(self, frames) -> None:
+        try:
+            machine, msg = self.machines.receive(frames)
+        except Exception as e:  # noqa: BLE001 - never let one frame stop the controller
+            log.error("dtorch controller: dropped a node agent's frame that does not decode: "
+                      "%s", e)
+            return
+        if machine is None:
+            return
+        tag = msg[0]
+        if tag == P.NODE_READY:
+            machine.ready = True
+            self.send(machine, P.pack(self.graph.definitions))
+            if self.tracing:
+                self.send(machine, P.pack([P.Trace(P.TRACE, True, 0)]))
+        elif tag == P.NODE_FAILURE:
+            message = f"{machine.describe()}: {P.NodeFailure(*msg).message}"
+            if machine.ready:
+                self.on_peer_death(machine, message)
+            else:  # no program used it yet: go on without it
+                log.warning("dtorch: %s; it left the cluster before it was ready", message)
+                self.machines.drop(machine)
+        else:
+            self.on_peer_message(machine, tag, msg, frames)
+
+    def on_peer_message(self, host, tag: int, msg, frames) -> None:
+        """A message from a host, or one a machine's agent relayed from its hosts."""
         if tag == P.HOST_READY:
             host.ready = True
             welcome = P.pack([P.Welcome(P.WELCOME, os.path.join(self.store_dir, "store"))])
@@ -226,12 +323,13 @@ class Controller:
             request = P.Synced(*msg).token
             waiting = self.syncs.get(request)
             if waiting is not None:
-                waiting.discard(host.index)
+                waiting.discard(host)
                 if not waiting:
                     self.ack_sync(request)
         else:
             if tag == P.FATAL:  # a host failing as a peer host dies: name the death instead
-                self.report_dead_hosts(timeout=DEATH_GRACE_S)
+                if self.life_fds:  # (a machine's deaths come from its agent)
+                    self.report_dead_hosts(timeout=DEATH_GRACE_S)
                 if self.death is not None:
                     return
             self.results.send_multipart(frames[1:], copy=False)
@@ -263,6 +361,15 @@ class Controller:
                 host.child.kill()
                 self.on_host_death(host, host.child.describe_silence())
                 return
+        if self.machines is not None:
+            self.machines.beat()
+            for machine in self.machines.silent():
+                if machine.ready:
+                    self.on_peer_death(machine, machine.describe_silence())
+                    return
+                log.warning("dtorch: %s; it left the cluster before it was ready",
+                            machine.describe_silence())
+                self.machines.drop(machine)
 
     def on_host_exit(self, host: HostHandle) -> None:
         host.child.popen.wait()
@@ -271,6 +378,10 @@ class Controller:
     def on_host_death(self, host: HostHandle, how: str) -> None:
         if self.death is None:
             self.poller.unregister(host.child.life_fd)
+        self.on_peer_death(host, how)
+
+    def on_peer_death(self, peer, how: str) -> None:
+        if self.death is None:
             self.death = (f"{how}; its devices' work is lost",
                           time.monotonic() + DEATH_GRACE_S)
 
@@ -282,6 +393,8 @@ class Controller:
         self.running = False
 
     def stop(self) -> None:
+        if self.machines is not None:
+            self.machines.close("the runtime stopped")
         local.stop_all([h.child for h in self.hosts.values()], config.shutdown_timeout_s)
         shutil.rmtree(self.store_dir, ignore_errors=True)
         self.results.close(linger=2000)
@@ -295,9 +408,12 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--ops", required=True)
     parser.add_argument("--results", required=True)
     parser.add_argument("--cpu-hosts", type=int, required=True)
+    parser.add_argument("--node-address")  # a cluster's main node: node agents join here
+    parser.add_argument("--token-file")  # the cluster's keys (cluster/auth.py)
     args = parser.parse_args(argv)
     config.cpu_hosts = args.cpu_hosts
-    controller = Controller(args.ops, args.results, keys)
+    cluster_keys = auth.read_token(args.token_file) if args.node_address else None
+    controller = Controller(args.ops, args.results, keys, args.node_address, cluster_keys)
     on_parent_exit(lambda: _stop_hosts(controller))
     try:
         controller.run()

@@ -65,9 +65,13 @@ def _lookup(module: str, qualname: str, root):
     try:
         obj = importlib.import_module(module)
     except ModuleNotFoundError:
-        if root is None or root in sys.path:
+        if root is None:
             raise
-        sys.path.append(root)
+        if root not in sys.path:
+            sys.path.append(root)
+        # the finder of a directory already on the path may hold a stale listing of it (its
+        # modification time is coarse): read it again
+        importlib.invalidate_caches()
         obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)

@@ -43,8 +43,10 @@ from .vjp import ForwardFailed, Saved, recording, vjp
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
         self.host, self.index = host, index
+        # a GPU's ordinal is its index on its own machine (device ids count machine by machine)
+        first = config.machine_devices[0] if config.machine_devices else 0
         self.torch_device = torch.device("cpu") if device_type == "cpu" else torch.device(
-            "cuda", index)
+            "cuda", index - first)
         self.streams: dict = {}
         self.blobs: dict = {}
         # the bytes its blobs hold (a CUDA device reports torch.cuda's allocator instead)
@@ -288,6 +290,7 @@ class Host:
         self.sock.setsockopt(zmq.RCVHWM, 0)  # batches queue here, none is ever dropped
         auth.join(self.sock, keys)
         self.sock.connect(controller_addr)
+        self._keys = keys  # a cluster's store client proves membership with them too
         # any thread queues messages here and rings the bell; the main thread sends them
         self.outbox: collections.deque = collections.deque()
         self._bell_r, self._bell_w = os.pipe()
@@ -300,6 +303,7 @@ class Host:
         self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
         self._local: dict = {}  # mesh id -> local Devices
         self._store_path = None  # the rendezvous store's file (Welcome)
+        self._store_relay = ""  # or, on a machine of a cluster, its node agent (Welcome)
         self.cuda = device_type == "cuda"
 
     # -- sockets --------------------------------------------------------------------------------
@@ -326,6 +330,11 @@ class Host:
     def store(self):
         """A new client of the rendezvous store. Each device needs its own: a client blocks
         while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
+        if self._store_relay:  # the cluster's store, through this machine's node agent
+            from ..cluster import store as cluster_store
+
+            return cluster_store.connect(self._store_relay, self._keys, self.ctx,
+                                         config.collective_timeout_s)
         store = FileStore(self._store_path, -1)
         store.set_timeout(datetime.timedelta(seconds=config.collective_timeout_s))
         return store
@@ -529,7 +538,8 @@ class Host:
             recorder.events)))
 
     def on_welcome(self, rec) -> None:
-        self._store_path = P.Welcome(*rec).store_path
+        welcome = P.Welcome(*rec)
+        self._store_path, self._store_relay = welcome.store_path, welcome.store_relay
 
     HANDLERS = {
         P.DEFINE_MESH: on_define_mesh,
@@ -581,8 +591,11 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--device-type", required=True)
     parser.add_argument("--controller", required=True)
     parser.add_argument("--cpu-hosts", type=int, required=True)
+    parser.add_argument("--devices", default=None)  # FIRST:COUNT, on a machine of a cluster
     args = parser.parse_args(argv)
     config.cpu_hosts = args.cpu_hosts
+    if args.devices:
+        config.machine_devices = tuple(int(n) for n in args.devices.split(":"))
     if args.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
     Host(args.index, args.device_type, args.controller, keys).run()

@@ -126,7 +126,8 @@ class Event:
 
 class Recorder:
     """The kernels a host's streams ran while tracing (``dtorch.profiler``): one
-    ``(name, device, stream, start_ns, end_ns)`` per item with a ``trace_name`` (a KernelRun).
+    ``(name, device, stream, start_ns, end_ns, site)`` per item with a ``trace_name`` (a
+    KernelRun; ``site``: the client's index of the user's line that issued its last kernel).
     The span starts once the kernel's waits are over, so it is the stream's busy time, not its
     idle time. Stream threads append (atomic under the GIL); nothing is locked."""
 
@@ -146,7 +147,8 @@ class Recorder:
                 e.wait()
         t0 = time.time_ns()
         item()
-        self.events.append((name, stream.label[0], stream.label[1], t0, time.time_ns()))
+        self.events.append((name, stream.label[0], stream.label[1], t0, time.time_ns(),
+                            item.steps[-1][3]))
 
 
 class Stream:
