@@ -198,7 +198,7 @@ def main():
         run(stages, x, M).sum().item()
     events = prof.events
     threads = sorted({(e["args"]["host"], e["args"]["torch_threads"]) for e in events
-                      if e["ph"] == "M" and e["name"] == "process_name"})
+                      if e["ph"] == "M" and e["name"] == "process_name" and "host" in e["args"]})
     devices = [set(m.devices) for m in meshes]
     busy = [busy_intervals(events, d) for d in devices]
     total = [sum(b - a for a, b in intervals) for intervals in busy]
