@@ -182,16 +182,20 @@ class Session:
             # Ctrl-C waits for the send, so a batch taken from the buffer is always sent.
             with _sigint_deferred():
                 spans = self.tracing  # the flusher thread may run this while a trace stops
-                flushed = time.time_ns() if spans is not None else 0
+                # read before the records are taken: a record appended after that (by the
+                # user's thread) starts the next batch
+                started, flushed = self.batch_started, time.time_ns() if spans is not None \
+                    else 0
                 batch = [records.popleft() for _ in range(n)]
+                if records and flushed:  # appended meanwhile: the next batch began about now
+                    self.batch_started = flushed
                 try:
                     frame = P.pack(batch)
                 except Exception:  # noqa: BLE001 - one bad record must not take the batch along
                     frame = P.pack(self._take_unsendable(batch))
                 self._send(frame)
                 if flushed:
-                    spans += [(f"issue {n} records", P.CLIENT, 0, self.batch_started,
-                                      flushed, 0),
+                    spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
                                      (f"flush {n} records", P.CLIENT, 1, flushed,
                                       time.time_ns(), 0)]
             self.unmarked += n
