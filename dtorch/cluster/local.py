@@ -204,6 +204,11 @@ def _public_api(name: str):
     package = sys.modules["dtorch"]
     if name.startswith("__"):  # the import system's probes (``__spec__``, ``__file__``)
         raise AttributeError(name)
+    here = os.path.join(package.__path__[0], name)
+    if os.path.isdir(here) or os.path.exists(here + ".py"):
+        # a submodule not imported yet (``from .. import protocol``): the import system
+        # imports it when this fails, without the public package and its torch
+        raise AttributeError(name)
     del package.__getattr__
     import importlib.util
 
