@@ -24,6 +24,8 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
 - max_inflight_ops (DTORCH_MAX_INFLIGHT_OPS): records the client may have sent but not yet seen
   executed; past it the user's thread blocks, so memory stays flat however far ahead a program
   runs.
+- replay (DTORCH_REPLAY): the controller lowers a repeating run of records once and replays it
+  (``controller/replay.py``); 0 lowers every record through the passes.
 
 DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
 set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
@@ -48,6 +50,7 @@ heartbeat_interval_s = 0.25
 heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
 collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
 max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
+replay = os.environ.get("DTORCH_REPLAY", "1") != "0"
 machine_devices = None
 
 

@@ -40,6 +40,7 @@ from ..cluster.machines import Machine, Machines
 from .graph import LogicalGraph, Operator
 from .dot import to_dot
 from .passes import PASSES, Chain, StreamState
+from .replay import Replayer
 
 
 # A killed host's peers can see its sockets close (and report a failed collective) before its
@@ -85,6 +86,7 @@ class Controller:
         self.poller.register(self.host_sock, zmq.POLLIN)
         self.graph = LogicalGraph()
         self.graph.streams = StreamState()
+        self.replayer = Replayer(self.graph, self.run_passes, self.encode)
         self.hosts: dict = {}  # host index -> HostHandle
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
@@ -134,12 +136,12 @@ class Controller:
 
     def on_batch(self, records: list) -> None:
         t0, started = time.perf_counter(), time.time_ns()  # the hosts' trace clock: time_ns
-        nodes, calls, stop = [], self.graph.calls, None
+        # Definitions go first, as the client made them: a spec a redistribute's plan passes
+        # through may carry the id of one the client defines later in the batch.
+        nodes, definitions, stop = [], [], None
         for rec in records:
-            if type(rec) is int:
-                nodes.append(rec)
-            elif rec[0] == P.OP:
-                nodes.append(Operator(calls[rec[P.OP_CALL]], rec))
+            if type(rec) is int or rec[0] == P.OP:
+                nodes.append(rec)  # an operator stays its record until the passes need it
             elif P.is_definition(rec):
                 self.graph.define(rec)
                 if rec[0] == P.DEFINE_MESH:
@@ -150,7 +152,7 @@ class Controller:
                         self.fatal(error)
                         return
                 if rec[0] != P.DEFINE_CALL or P.DefineCall(*rec).op != "redistribute":
-                    nodes.append(rec)
+                    definitions.append(rec)
             elif rec[0] == P.SYNC:
                 self.syncs[P.Sync(*rec).token] = set(self.peers())
                 nodes.append(rec)
@@ -169,15 +171,13 @@ class Controller:
                 nodes.append(rec)
             else:
                 nodes.append(rec)
-        n_in = len(nodes)
-        for run_pass in PASSES:
-            nodes = run_pass(self.graph, nodes)
-        if self.graph_dir is not None and nodes:
-            self.write_graph(nodes)
-        records_out = self.encode(nodes)
+        records_out = definitions
+        self.replayer.run(nodes, records_out)
+        replayed = self.replayer.replayed
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
             self.trace_events.append(
-                (f"passes: {len(records)} records -> {len(records_out)}", P.CONTROLLER,
+                (f"passes: {len(records)} records -> {len(records_out)}"
+                 + (f", {replayed} windows replayed" if replayed else ""), P.CONTROLLER,
                  P.CONTROLLER, started, time.time_ns(), 0))
             if stop is not None:  # the batch that stopped the trace: answer with the hosts
                 self.results.send(P.pack(P.TraceEvents(
@@ -189,9 +189,16 @@ class Controller:
                 self.ack_sync(token)
         if config.debug:
             ms = (time.perf_counter() - t0) * 1e3
-            print(f"[dtorch controller] batch: {len(records)} records, {n_in} nodes -> "
-                  f"{len(nodes)} after {[p.__name__ for p in PASSES]}, {ms:.2f} ms",
-                  file=sys.stderr)
+            print(f"[dtorch controller] batch: {len(records)} records -> {len(records_out)}, "
+                  f"{replayed} windows replayed, {ms:.2f} ms", file=sys.stderr)
+
+    def run_passes(self, nodes: list) -> list:
+        """``PASSES`` over a segment of the batch (``Replayer``), its graph written if asked."""
+        for run_pass in PASSES:
+            nodes = run_pass(self.graph, nodes)
+        if self.graph_dir is not None and nodes:
+            self.write_graph(nodes)
+        return nodes
 
     def write_graph(self, nodes: list) -> None:
         """The batch after the passes, as DOT in ``graph_dir`` (``batch-000001.dot`` ...)."""

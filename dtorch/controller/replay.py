@@ -1,0 +1,270 @@
+"""Replay: a run of records shaped like one already lowered skips the passes.
+
+Programs issue the same calls again and again: loop bodies, layers, decoding steps. What
+``PASSES`` decide for a run of operators and releases depends only on its *shape* -- which calls,
+from which lines, reading which results of which records -- and, for the streams, on where its
+outside inputs were last touched. So the controller finds where each batch's records repeat with
+a period (``periodic``), cuts that stretch into windows of whole periods (``windows``), and lowers
+each window shape once. A later window of the same shape (``shape_of``) takes the decisions as
+they are: which of its records survive dead-code elimination, which chain, the stream, which
+releases follow. Its own records already carry its ids and scalars, so replaying is picking them
+out (``Replayer.replay``): no Operator is made and no pass runs.
+
+When a window is cached and replayed (``Program``):
+
+    cached     its lowering is the window's own records on one compute stream with no wait:
+               no collective, no view, no redistribute, no definition made
+    replayed   its outside inputs are no view, and were last written on that stream with no
+               other stream's access since (``StreamState``): the passes would insert no wait
+
+Replay then moves the stream state on as ``assign_streams`` would, except that every result it
+leaves alive and every outside input it writes counts as written at the window's last position,
+not its own: a later wait for one of them waits for that point, which is correct, at worst a few
+kernels late.
+
+A replayed window's dead-code elimination and chains stop at its edges (the window was lowered
+alone); so do a normal segment's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .. import config, protocol as P
+from ..protocol import COMM, INPLACE, VIEW, written
+from .graph import Operator
+from .passes import LAST, OTHERS, VIEWS, WRITER, WRITTEN, Chain, compute_stream
+
+MIN_WINDOW = 128  # records: shorter windows of a short period cost more per record than they save
+MAX_PERIOD = 2048  # records
+MAX_TRIES = 32  # candidate periods tried per batch (each costs a comparison of the stretch)
+MAX_PROGRAMS = 4096  # cached window shapes; past it the cache starts again
+
+
+class Program(NamedTuple):
+    """A lowered window shape. ``out``: the host records, by window index: ``i`` a kernel
+    (that window record), ``(i, j, ...)`` a chain, ``~i`` a release. ``positions``: the stream
+    positions its operators take. ``written``: the outside inputs (by number) written in place;
+    ``released``: those released. ``survivors``: (window index, result) of the results left
+    alive."""
+
+    out: tuple
+    positions: int
+    written: frozenset
+    released: frozenset
+    survivors: tuple
+
+
+def periodic(keys: list):
+    """``(start, end, period)`` of the stretch around the middle of ``keys`` that repeats every
+    ``period`` items (so a batch may begin and end with other work), or None."""
+    n = len(keys)
+    middle = n // 2
+    if not n:
+        return None
+    first, p = keys[middle], 0
+    for _ in range(MAX_TRIES):
+        try:
+            p = keys.index(first, middle + p + 1) - middle
+        except ValueError:
+            return None
+        if p > MAX_PERIOD or middle + 2 * p > n:
+            return None
+        if keys[middle:middle + p] == keys[middle + p:middle + 2 * p]:
+            start, end = middle, middle + 2 * p
+            while start > 0 and keys[start - 1] == keys[start - 1 + p]:
+                start -= 1
+            while end < n and keys[end] == keys[end - p]:
+                end += 1
+            return start, end, p
+    return None
+
+
+def windows(records: list) -> list:
+    """``[(start, end, is_window)]`` covering a batch's ``records`` (definitions taken out):
+    the windows of whole periods of operators and releases, and the segments around them, which
+    are lowered as usual."""
+    n = len(records)
+    if n < 2 * MIN_WINDOW:
+        return [(0, n, False)]
+    # an operator is its call and site, a release -1, any other record a key of its own
+    keys = [-1 if type(r) is int else r[P.OP_CALL] << 24 | r[P.OP_SITE] if r[0] == P.OP
+            else -2 - k for k, r in enumerate(records)]
+    found = periodic(keys)
+    if found is None:
+        return [(0, n, False)]
+    start, end, p = found
+    size = p * -(-MIN_WINDOW // p)
+    if end - start < 2 * size:  # a single window never repeats within the batch
+        return [(0, n, False)]
+    out = [(0, start, False)] if start else []
+    while start + size <= end:
+        out.append((start, start + size, True))
+        start += size
+    if start < n:
+        out.append((start, n, False))
+    return out
+
+
+def shape_of(calls: dict, records: list):
+    """``(key, outside)`` of a window: ``key`` tells its shape (each record's call and site,
+    and which earlier result of the window, or which outside input, each tensor operand and
+    release names); ``outside`` lists the outside inputs' ids by number."""
+    made: dict = {}  # id -> its number among the window's results
+    outside: dict = {}  # id -> -1 - its number among the outside inputs
+    key = []
+    for rec in records:
+        if type(rec) is int:
+            ref = made.get(rec)
+            if ref is None:
+                ref = outside.get(rec)
+                if ref is None:
+                    ref = outside[rec] = -1 - len(outside)
+            key.append(ref)
+            continue
+        call = calls[rec[P.OP_CALL]]
+        entry = [rec[P.OP_CALL], rec[P.OP_SITE]]
+        for k in call.reads:
+            t = rec[k]
+            ref = made.get(t)
+            if ref is None:
+                ref = outside.get(t)
+                if ref is None:
+                    ref = outside[t] = -1 - len(outside)
+            entry.append(ref)
+        for t in rec[P.OP_OUTS:P.OP_OUTS + len(call.outputs)]:
+            ref = made.get(t)
+            if ref is None:
+                ref = outside.get(t)  # an in-place call's result is its operand
+                if ref is None:
+                    ref = made[t] = len(made)
+            entry.append(ref)
+        key.append(tuple(entry))
+    return tuple(key), list(outside)
+
+
+class Replayer:
+    """The controller's cache of lowered window shapes. ``passes(nodes)`` is the usual path
+    (``PASSES``), ``encode(nodes)`` makes host records of its output."""
+
+    def __init__(self, graph, passes, encode):
+        self.graph, self.passes, self.encode = graph, passes, encode
+        self.programs: dict = {}
+        self.replayed = 0  # windows replayed in the last batch (for its trace span)
+
+    def run(self, records: list, out: list) -> None:
+        """Appends the host records of a batch's ``records`` (definitions taken out; operators
+        still their wire records) to ``out``."""
+        self.replayed = 0
+        if not config.replay:
+            out += self.encode(self.passes(self.nodes(records)))
+            return
+        for start, end, is_window in windows(records):
+            window = records[start:end]
+            if not is_window:
+                out += self.encode(self.passes(self.nodes(window)))
+                continue
+            key, outside = shape_of(self.graph.calls, window)
+            key = (self.graph.graph, key)
+            program = self.programs.get(key)
+            if program is not None and self.replay(program, window, outside, out):
+                self.replayed += 1
+                continue
+            lowered = self.passes(self.nodes(window))
+            if program is None:
+                self.learn(key, window, outside, lowered)
+            out += self.encode(lowered)
+
+    def nodes(self, records: list) -> list:
+        """The passes' nodes: an Operator for each operator's record."""
+        calls, op = self.graph.calls, P.OP
+        return [Operator(calls[r[P.OP_CALL]], r) if type(r) is not int and r[0] == op else r
+                for r in records]
+
+    # -- caching (a miss) -----------------------------------------------------------------------
+    def learn(self, key, window: list, outside: list, lowered: list) -> None:
+        """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies."""
+        stream = compute_stream(self.graph.graph)
+        index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
+        released_at = {r: i for i, r in enumerate(window) if type(r) is int}
+        number = {t: k for k, t in enumerate(outside)}
+        out, positions, written_ids = [], 0, set()
+        for node in lowered:
+            if type(node) is int:
+                out.append(~released_at[node])
+                continue
+            members = node.members if type(node) is Chain else [node] if type(node) is \
+                Operator else None
+            if members is None:  # a definition, or another record: not a pure window
+                return
+            for m in members:
+                flags = m.call.flags
+                if (m.waits or id(m.rec) not in index or m.stream != stream
+                        or flags & (COMM | VIEW)):
+                    return
+                if flags & INPLACE:
+                    written_ids.add(m.operands[0])
+                    written_ids.update(m.operands[k] for k in written(flags))
+            positions += len(members)
+            refs = tuple(index[id(m.rec)] for m in members)
+            out.append(refs if len(refs) > 1 else refs[0])
+        survivors = []
+        released = set(released_at)
+        for i, rec in enumerate(window):
+            if type(rec) is not int:
+                n_out = len(self.graph.calls[rec[P.OP_CALL]].outputs)
+                for j, t in enumerate(P.op_outs(rec, n_out)):
+                    if t not in released and t not in number:
+                        survivors.append((i, j))
+        if len(self.programs) >= MAX_PROGRAMS:
+            self.programs.clear()
+        self.programs[key] = Program(
+            tuple(out), positions, frozenset(number[t] for t in written_ids if t in number),
+            frozenset(number[t] for t in released if t in number), tuple(survivors))
+
+    # -- replaying (a hit) ----------------------------------------------------------------------
+    def replay(self, program: Program, window: list, outside: list, out: list) -> bool:
+        """Appends the window's host records as ``program`` lowered its shape, and moves the
+        stream state on; False (nothing done) when an outside input was touched elsewhere."""
+        st = self.graph.streams
+        stream = compute_stream(self.graph.graph)
+        storages, roots = st.storages, st.roots
+        for t in outside:
+            if t in roots:
+                return False
+            m = storages.get(t)
+            if m is not None and (m[WRITER] != stream or m[OTHERS] is not None):
+                return False
+        kernel, chain = P.KERNEL, P.CHAIN
+        for ref in program.out:
+            if type(ref) is tuple:
+                members = []
+                for i in ref:
+                    rec = window[i]
+                    rec[0], rec[P.OP_STREAM] = kernel, stream
+                    members.append(rec)
+                out.append([chain, *members])
+            elif ref >= 0:
+                rec = window[ref]
+                rec[0], rec[P.OP_STREAM] = kernel, stream
+                out.append(rec)
+            else:
+                out.append(window[~ref])
+        end = st.position[stream] = st.position.get(stream, 0) + program.positions
+        for k, t in enumerate(outside):
+            m = storages.get(t)
+            if k in program.released:
+                if m is not None and m[VIEWS]:  # one of its ids is gone, not the storage
+                    m[VIEWS] -= 1
+                elif m is not None:
+                    del storages[t]
+            elif k in program.written:
+                if m is None:
+                    storages[t] = [stream, end, end, None, 0]
+                else:
+                    m[WRITTEN] = m[LAST] = end
+            elif m is not None:
+                m[LAST] = end
+        for i, j in program.survivors:
+            storages[window[i][P.OP_OUTS + j]] = [stream, end, end, None, 0]
+        return True

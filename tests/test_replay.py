@@ -1,0 +1,277 @@
+"""Replay of repeated runs (controller/replay.py).
+
+Without a runtime: a replayed window's host records are exactly what the passes make of it, and
+a window that does not qualify is lowered by the passes. With the runtime: loops run with replay
+are bit-identical to torch eager and to the same program with replay off, and an error inside a
+replayed stretch names its line.
+"""
+
+import copy
+import inspect
+import os
+import re
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import config, protocol as P
+from dtorch.controller import replay
+from dtorch.controller.graph import LogicalGraph
+from dtorch.controller.main import Controller
+from dtorch.controller.passes import PASSES, StreamState
+from dtorch.controller.replay import Replayer, periodic, windows
+
+
+def make_graph():
+    g = LogicalGraph()
+    g.streams = StreamState()
+    g.define([P.DEFINE_MESH, 1, "cpu", [2], [0, 1]])
+    g.define([P.DEFINE_SPEC, 1, [4, 3], "float32", 1, ["S0"]])
+    g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])
+    g.define([P.DEFINE_CALL, 1, "mul", [1, 0], [1], b"", 0])  # S0 * scalar
+    g.define([P.DEFINE_CALL, 2, "add_", [1, 1], [1], b"", P.INPLACE])
+    g.define([P.DEFINE_CALL, 3, "redistribute", [1], [2], b"", 0])
+    g.define([P.DEFINE_CALL, 4, "add", [1, 1], [1], b"", 0])
+    g.define([P.DEFINE_CALL, 5, "transpose", [1], [1], b"", P.VIEW])
+    g.define([P.DEFINE_CALL, 6, "mul", [2, 0], [2], b"", 0])  # R * scalar
+    return g
+
+
+def run_passes(g):
+    def passes(nodes):
+        for p in PASSES:
+            nodes = p(g, nodes)
+        return nodes
+    return passes
+
+
+class Ids:
+    def __init__(self, first=100):
+        self.next = first
+
+    def __call__(self):
+        self.next += 1
+        return self.next
+
+
+def op(call, site, out, *operands):
+    return [P.OP, call, site, 0, out, *operands]
+
+
+def lower_both(batches, monkeypatch, window=8):
+    """Each batch through a Replayer, and through one that never replays (every window goes
+    through the passes): both outputs, and the replaying one's hit count."""
+    monkeypatch.setattr(replay, "MIN_WINDOW", window)
+    monkeypatch.setattr(config, "replay", True)
+    outputs, hits = [], 0
+    for replays in (True, False):
+        g = make_graph()
+        r = Replayer(g, run_passes(g), Controller.encode)
+        if not replays:
+            r.replay = lambda *args: False
+        out = []
+        for batch in copy.deepcopy(batches):
+            r.run(batch, out)
+            hits += r.replayed if replays else 0
+        outputs.append(out)
+    return outputs[0], outputs[1], hits
+
+
+def tensor_tensor_loop(ids, n, x, b):
+    """``x = x + b`` n times: an operator and the release of the x before it."""
+    out = []
+    for _ in range(n):
+        y = ids()
+        out += [op(4, 7, y, x, b), x]
+        x = y
+    return out, x
+
+
+def scalar_chain_loop(ids, n, x):
+    """``x = x * 0.5; x = x * 2.0`` n times."""
+    out = []
+    for k in range(n):
+        y, z = ids(), ids()
+        out += [op(1, 8, y, x, 0.5 + k), x, op(1, 9, z, y, 2.0), y]
+        x = z
+    return out, x
+
+
+def test_period_and_windows():
+    keys = [5, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # other work, then a period of 3
+    assert periodic(keys) == (1, 14, 3)
+    assert periodic([1, 2, 3, 4, 5, 6, 7, 8]) is None
+
+
+def test_windows_cover_the_batch_in_order(monkeypatch):
+    monkeypatch.setattr(replay, "MIN_WINDOW", 4)
+    ids = Ids()
+    batch, _ = tensor_tensor_loop(ids, 20, 1, 2)
+    batch = [[P.SYNC, 1], *batch, [P.FETCH, 3, 9]]
+    cuts = windows(batch)
+    assert cuts[0] == (0, 1, False) and cuts[-1][1] == len(batch)
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert sum(w for _, _, w in cuts) >= 3 and all(e - s == 4 for s, e, w in cuts if w)
+
+
+def test_replayed_windows_equal_the_passes(monkeypatch):
+    ids = Ids()
+    first, x = tensor_tensor_loop(ids, 50, 1, 2)
+    second, x = tensor_tensor_loop(ids, 37, x, 2)  # a batch cut elsewhere in the period
+    third, _ = scalar_chain_loop(ids, 40, x)
+    replayed, lowered, hits = lower_both([first, second, third], monkeypatch)
+    assert replayed == lowered
+    assert hits >= 20
+    # the chains survive replay: one CHAIN record per window of the scalar loop
+    assert any(r[0] == P.CHAIN for r in replayed if type(r) is not int)
+
+
+def test_dead_code_inside_windows_is_dropped_as_the_passes_drop_it(monkeypatch):
+    ids = Ids()
+    batch, x = [], 1
+    for _ in range(40):
+        y, dead = ids(), ids()
+        batch += [op(4, 7, y, x, 2), op(1, 8, dead, y, 3.0), dead, x]  # ``dead`` is never read
+        x = y
+    replayed, lowered, hits = lower_both([batch], monkeypatch)
+    assert replayed == lowered and hits
+    assert not any(type(r) is not int and r[1] == 1 for r in replayed)
+
+
+def test_in_place_loops_replay(monkeypatch):
+    ids = Ids()
+    batch = []
+    for _ in range(40):
+        batch += [op(2, 5, 1, 1, 2)]  # acc.add_(b)
+    replayed, lowered, hits = lower_both([batch, copy.deepcopy(batch)], monkeypatch)
+    assert replayed == lowered and hits
+
+
+def test_views_are_not_replayed(monkeypatch):
+    ids = Ids()
+    batch, x = [], 1
+    for _ in range(40):
+        v, y = ids(), ids()
+        batch += [op(5, 3, v, x), op(4, 7, y, v, 2), v, x]
+        x = y
+    replayed, lowered, hits = lower_both([batch], monkeypatch)
+    assert replayed == lowered and hits == 0
+
+
+def test_an_input_written_on_another_stream_is_lowered_by_the_passes(monkeypatch):
+    """A loop reading a gathered value (written on the communication stream) and a collective
+    after it: no window replays while its input's last write is on another stream, and the
+    collective after the loop still waits for the loop's compute stream."""
+    ids = Ids()
+    gathered = ids()
+    batch, acc = [op(3, 1, gathered, 1)], 2
+    for _ in range(40):
+        y = ids()
+        batch += [op(6, 7, y, gathered, 2.0), acc]
+        acc = y
+    batch += [op(3, 2, ids(), 1)]  # redistribute again
+    loop, last = tensor_tensor_loop(ids, 40, 3, 2)
+    replayed, lowered, hits = lower_both([batch, loop + [op(3, 2, ids(), last)]], monkeypatch)
+    assert replayed == lowered
+    assert hits  # the second batch's windows read only compute-stream values
+    assert [P.WAIT, 1] in replayed  # the last redistribute waits for the compute stream
+
+
+# -- with the runtime ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def replay_off():
+    """A runtime whose controller never replays (the next operator starts it)."""
+    dtorch.shutdown()
+    saved = config.replay
+    config.replay = False
+    os.environ["DTORCH_REPLAY"] = "0"  # read by the controller process
+    yield
+    dtorch.shutdown()
+    del os.environ["DTORCH_REPLAY"]
+    config.replay = saved
+
+
+def loops(mesh, lib):
+    """Loops of each kind a replay must get right, returning their results (dtorch or torch)."""
+    if lib is torch:
+        ones, arange = torch.ones, torch.arange
+    else:
+        def ones(*shape):
+            return dtorch.ones(*shape, device_mesh=mesh)
+
+        def arange(n):
+            return dtorch.arange(float(n), device_mesh=mesh)
+    b = arange(8)
+    a = ones(8)
+    for _ in range(3000):
+        a = a * 0.999 + b  # tensor-scalar and tensor-tensor, a chain
+    acc = ones(8)
+    for k in range(2000):
+        acc.add_(b, alpha=1.0 / (k + 1))  # in place, its scalar new each time
+    x = ones(4, 8)
+    for _ in range(1500):
+        x = (x.t() * 1.001).t() + 0.5  # views inside the loop
+    m = ones(8)
+    for _ in range(1500):
+        m = torch.maximum(m, b - 3.0) if lib is torch else dtorch.maximum(m, b - 3.0)
+        dead = m * 2  # noqa: F841 - never read: dead code in every window
+    return [a, acc, x, m]
+
+
+def replayed_windows(prof) -> int:
+    """Windows the controller replayed while ``prof`` recorded (its passes' spans say)."""
+    found = [re.search(r"(\d+) windows replayed", e["name"]) for e in prof.events
+             if e.get("ph") == "X"]
+    return sum(int(m[1]) for m in found if m)
+
+
+def test_loops_equal_torch_with_replay(one):
+    with dtorch.profiler.profile() as prof:
+        got = [t.to_torch() for t in loops(one, dtorch)]
+    assert replayed_windows(prof) >= 20
+    expected = loops(None, torch)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_loops_equal_with_replay_off(replay_off):
+    one = dtorch.DeviceMesh("cpu", [0])
+    expected = loops(None, torch)
+    with dtorch.profiler.profile() as prof:
+        got = [t.to_torch() for t in loops(one, dtorch)]
+    assert replayed_windows(prof) == 0
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_loops_on_a_sharded_mesh(mesh1):
+    """Replay on 3 devices, Shard(0) of an uneven size: the windows run on every device."""
+    x = dtorch.ones(10, device_mesh=mesh1, placements=[dtorch.Shard(0)])
+    b = dtorch.arange(10.0, device_mesh=mesh1, placements=[dtorch.Shard(0)])
+    tx, tb = torch.ones(10), torch.arange(10.0)
+    with dtorch.profiler.profile() as prof:
+        for _ in range(3000):
+            x = x * 0.5 + b
+            tx = tx * 0.5 + tb
+        got = x.to_torch()
+    assert replayed_windows(prof) >= 5
+    assert torch.equal(got, tx)
+
+
+def test_an_error_inside_replayed_windows_names_its_line(one):
+    zero = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
+    x = dtorch.ones(4, dtype=torch.int64, device_mesh=one)
+    acc = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
+    for _ in range(2000):
+        acc = acc + x
+    line = inspect.currentframe().f_lineno + 2
+    for _ in range(2000):
+        acc = acc + x // zero  # fails on the host, every time
+    with pytest.raises(RuntimeError, match="floor_divide") as info:
+        acc.to_torch()
+    assert f"test_replay.py:{line}" in str(info.value)
+    dtorch.sync()
+    assert torch.equal((x * 3).to_torch(), torch.full((4,), 3))  # the runtime goes on
