@@ -72,6 +72,7 @@ TRACE, TRACE_EVENTS = 18, 19
 GRAPH = 40  # (GRAPH, directory or None): where the controller writes each batch's graph (DOT)
 NODE_JOIN, NODE_WELCOME, NODE_READY, NODE_BEAT, NODE_FAILURE, NODE_BYE = range(20, 26)
 STORE_REQUEST, STORE_REPLY, CLUSTER_QUERY, CLUSTER_INFO = range(26, 30)
+DEFINE_PROGRAM, REPLAY = 30, 31
 
 # the first frame of what the main controller sends a node agent: a batch it relays to its
 # hosts without decoding it, or a control record for the agent itself
@@ -121,6 +122,25 @@ class DefineCall(NamedTuple):
     flags: int  # INPLACE, VIEW, IMPURE, COMM, RECORD, WRITES (above)
 
 
+class DefineProgram(NamedTuple):
+    """A window of kernels the controller replays (controller/replay.py), as hosts keep it.
+
+    A step is ``[call, site, stream, outs, operands]``. A result or tensor operand is a *ref*:
+    k >= 0 the window's k-th result, -1 - j its j-th outside input (an in-place kernel's result
+    is its operand's ref); a scalar operand is the index of its value in the Replay record."""
+
+    tag: int
+    id: int
+    n_outside: int
+    n_made: int
+    n_scalars: int
+    steps: list
+    survivors: list  # refs of the results the window leaves alive: they get blobs
+    released: list  # the outside inputs (by number) it releases
+
+
+# Replay: (REPLAY, program, *outside ids, *result ids, *scalar values)   controller -> hosts
+#         one window of a DefineProgram's shape, its ids and values bound in order
 # Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
 # Kernel: (KERNEL, call, site, stream, *outs, *operands) controller -> hosts
 #         ``site`` indexes the client's table of the user's file:line, echoed back in errors.

@@ -28,10 +28,11 @@ alone); so do a normal segment's.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 from .. import config, protocol as P
-from ..protocol import COMM, INPLACE, VIEW, written
+from ..protocol import COMM, INPLACE, RECORD, VIEW, written
 from .graph import Operator
 from .passes import LAST, OTHERS, VIEWS, WRITER, WRITTEN, Chain, compute_stream
 
@@ -42,13 +43,12 @@ MAX_PROGRAMS = 4096  # cached window shapes; past it the cache starts again
 
 
 class Program(NamedTuple):
-    """A lowered window shape. ``out``: the host records, by window index: ``i`` a kernel
-    (that window record), ``(i, j, ...)`` a chain, ``~i`` a release. ``positions``: the stream
-    positions its operators take. ``written``: the outside inputs (by number) written in place;
-    ``released``: those released. ``survivors``: (window index, result) of the results left
-    alive."""
+    """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
+    holds its kernels). ``positions``: the stream positions its operators take. ``written``:
+    the outside inputs (by number) written in place; ``released``: those released.
+    ``survivors``: the results (by number) left alive."""
 
-    out: tuple
+    id: int
     positions: int
     written: frozenset
     released: frozenset
@@ -107,11 +107,13 @@ def windows(records: list) -> list:
 
 
 def shape_of(calls: dict, records: list):
-    """``(key, outside)`` of a window: ``key`` tells its shape (each record's call and site,
-    and which earlier result of the window, or which outside input, each tensor operand and
-    release names); ``outside`` lists the outside inputs' ids by number."""
-    made: dict = {}  # id -> its number among the window's results
-    outside: dict = {}  # id -> -1 - its number among the outside inputs
+    """``(key, outside, made, scalars)`` of a window. ``key`` tells its shape: each record's
+    call and site, and the *ref* of each tensor operand, result and release (k >= 0: the
+    window's k-th result; -1 - j: its j-th outside input). ``outside`` and ``made`` list those
+    ids in order, ``scalars`` the scalar operands' values."""
+    made: dict = {}  # id -> its ref
+    outside: dict = {}
+    scalars: list = []
     key = []
     for rec in records:
         if type(rec) is int:
@@ -132,7 +134,11 @@ def shape_of(calls: dict, records: list):
                 if ref is None:
                     ref = outside[t] = -1 - len(outside)
             entry.append(ref)
-        for t in rec[P.OP_OUTS:P.OP_OUTS + len(call.outputs)]:
+        n_out = len(call.outputs)
+        if len(call.reads) != len(call.inputs):
+            first = P.OP_OUTS + n_out
+            scalars += [rec[first + k] for k, spec in enumerate(call.inputs) if not spec]
+        for t in rec[P.OP_OUTS:P.OP_OUTS + n_out]:
             ref = made.get(t)
             if ref is None:
                 ref = outside.get(t)  # an in-place call's result is its operand
@@ -140,7 +146,30 @@ def shape_of(calls: dict, records: list):
                     ref = made[t] = len(made)
             entry.append(ref)
         key.append(tuple(entry))
-    return tuple(key), list(outside)
+    return tuple(key), list(outside), list(made), scalars
+
+
+def _refs(calls: dict, records: list, outside: list, made: list) -> dict:
+    """For each operator record of a window (by index): its results' refs and its operands' (a
+    tensor's ref, or a scalar's index among the window's scalars), numbered as ``shape_of``
+    numbered them (``outside`` and ``made`` are its lists)."""
+    refs = {t: -1 - j for j, t in enumerate(outside)}
+    refs.update((t, k) for k, t in enumerate(made))
+    n_scalars, out = 0, {}
+    for i, rec in enumerate(records):
+        if type(rec) is int:
+            continue
+        call = calls[rec[P.OP_CALL]]
+        n_out = len(call.outputs)
+        operands = []
+        for t, spec in zip(P.op_operands(rec, n_out), call.inputs):
+            if spec:
+                operands.append(refs[t])
+            else:
+                operands.append(n_scalars)
+                n_scalars += 1
+        out[i] = ([refs[t] for t in P.op_outs(rec, n_out)], operands)
+    return out
 
 
 class Replayer:
@@ -149,7 +178,8 @@ class Replayer:
 
     def __init__(self, graph, passes, encode):
         self.graph, self.passes, self.encode = graph, passes, encode
-        self.programs: dict = {}
+        self.programs: dict = {}  # (graph, window key) -> Program
+        self.program_ids = itertools.count(1)
         self.replayed = 0  # windows replayed in the last batch (for its trace span)
 
     def run(self, records: list, out: list) -> None:
@@ -164,15 +194,16 @@ class Replayer:
             if not is_window:
                 out += self.encode(self.passes(self.nodes(window)))
                 continue
-            key, outside = shape_of(self.graph.calls, window)
+            key, outside, made, scalars = shape_of(self.graph.calls, window)
             key = (self.graph.graph, key)
             program = self.programs.get(key)
-            if program is not None and self.replay(program, window, outside, out):
+            if program is not None and self.advance(program, outside, made):
+                out.append([P.REPLAY, program.id, *outside, *made, *scalars])
                 self.replayed += 1
                 continue
             lowered = self.passes(self.nodes(window))
             if program is None:
-                self.learn(key, window, outside, lowered)
+                self.learn(key, window, outside, made, lowered, out)
             out += self.encode(lowered)
 
     def nodes(self, records: list) -> list:
@@ -182,17 +213,19 @@ class Replayer:
                 for r in records]
 
     # -- caching (a miss) -----------------------------------------------------------------------
-    def learn(self, key, window: list, outside: list, lowered: list) -> None:
-        """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies."""
+    def learn(self, key, window: list, outside: list, made: list, lowered: list,
+              out: list) -> None:
+        """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies, and
+        defines it to the hosts (through ``out``, and for hosts that start later, the graph's
+        definitions)."""
         stream = compute_stream(self.graph.graph)
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
-        released_at = {r: i for i, r in enumerate(window) if type(r) is int}
+        refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
-        out, positions, written_ids = [], 0, set()
+        steps, positions, written_ids = [], 0, set()
         for node in lowered:
             if type(node) is int:
-                out.append(~released_at[node])
-                continue
+                continue  # a release: the hosts free what the window made at its last use
             members = node.members if type(node) is Chain else [node] if type(node) is \
                 Operator else None
             if members is None:  # a definition, or another record: not a pure window
@@ -200,32 +233,35 @@ class Replayer:
             for m in members:
                 flags = m.call.flags
                 if (m.waits or id(m.rec) not in index or m.stream != stream
-                        or flags & (COMM | VIEW)):
+                        or flags & (COMM | VIEW | RECORD) or m.call.op.startswith(P.VJP_PREFIX)):
                     return
                 if flags & INPLACE:
                     written_ids.add(m.operands[0])
                     written_ids.update(m.operands[k] for k in written(flags))
+                outs, operands = refs[index[id(m.rec)]]
+                steps.append([m.call.id, m.site, stream, outs, operands])
             positions += len(members)
-            refs = tuple(index[id(m.rec)] for m in members)
-            out.append(refs if len(refs) > 1 else refs[0])
-        survivors = []
-        released = set(released_at)
-        for i, rec in enumerate(window):
-            if type(rec) is not int:
-                n_out = len(self.graph.calls[rec[P.OP_CALL]].outputs)
-                for j, t in enumerate(P.op_outs(rec, n_out)):
-                    if t not in released and t not in number:
-                        survivors.append((i, j))
+        released = {r for r in window if type(r) is int}
+        survivors = [k for k, t in enumerate(made) if t not in released]
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
-        self.programs[key] = Program(
-            tuple(out), positions, frozenset(number[t] for t in written_ids if t in number),
+        program = Program(
+            next(self.program_ids), positions,
+            frozenset(number[t] for t in written_ids if t in number),
             frozenset(number[t] for t in released if t in number), tuple(survivors))
+        self.programs[key] = program
+        n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
+                        self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
+        definition = list(P.DefineProgram(
+            P.DEFINE_PROGRAM, program.id, len(outside), len(made), n_scalars, steps,
+            survivors, sorted(program.released)))
+        self.graph.definitions.append(definition)
+        out.append(definition)
 
     # -- replaying (a hit) ----------------------------------------------------------------------
-    def replay(self, program: Program, window: list, outside: list, out: list) -> bool:
-        """Appends the window's host records as ``program`` lowered its shape, and moves the
-        stream state on; False (nothing done) when an outside input was touched elsewhere."""
+    def advance(self, program: Program, outside: list, made: list) -> bool:
+        """Moves the stream state on past a replay of ``program`` binding ``outside`` and
+        ``made``; False (nothing done) when an outside input was touched on another stream."""
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots = st.storages, st.roots
@@ -235,21 +271,6 @@ class Replayer:
             m = storages.get(t)
             if m is not None and (m[WRITER] != stream or m[OTHERS] is not None):
                 return False
-        kernel, chain = P.KERNEL, P.CHAIN
-        for ref in program.out:
-            if type(ref) is tuple:
-                members = []
-                for i in ref:
-                    rec = window[i]
-                    rec[0], rec[P.OP_STREAM] = kernel, stream
-                    members.append(rec)
-                out.append([chain, *members])
-            elif ref >= 0:
-                rec = window[ref]
-                rec[0], rec[P.OP_STREAM] = kernel, stream
-                out.append(rec)
-            else:
-                out.append(window[~ref])
         end = st.position[stream] = st.position.get(stream, 0) + program.positions
         for k, t in enumerate(outside):
             m = storages.get(t)
@@ -265,6 +286,6 @@ class Replayer:
                     m[WRITTEN] = m[LAST] = end
             elif m is not None:
                 m[LAST] = end
-        for i, j in program.survivors:
-            storages[window[i][P.OP_OUTS + j]] = [stream, end, end, None, 0]
+        for k in program.survivors:
+            storages[made[k]] = [stream, end, end, None, 0]
         return True

@@ -37,6 +37,7 @@ from ..ops import registry  # importing ops registers every operator's kernel
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
 from .context import Groups, KernelContext
+from .program import Program, ProgramRun
 from .stream import Blob, Event, Memory, Recorder, Stream
 from .vjp import ForwardFailed, Saved, recording, vjp
 
@@ -183,6 +184,11 @@ class KernelRun:
         """The kernel's name in a trace (a chain's joined with "+"); read only while tracing."""
         return "+".join(step[0].name for step in self.steps)
 
+    @property
+    def site(self) -> int:
+        """The user's line that issued the (last) kernel."""
+        return self.steps[-1][3]
+
     def _store(self, result) -> None:
         outputs = self.outputs
         if len(outputs) == 1:
@@ -301,6 +307,7 @@ class Host:
         self.devices: dict = {}  # local device index -> Device
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
         self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
+        self.programs: dict = {}  # replayed window shapes (runtime/program.py)
         self._local: dict = {}  # mesh id -> local Devices
         self._store_path = None  # the rendezvous store's file (Welcome)
         self._store_relay = ""  # or, on a machine of a cluster, its node agent (Welcome)
@@ -404,6 +411,37 @@ class Host:
                 stream.put(lambda events=events: [e.wait() for e in events])
             else:
                 stream.put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
+
+    def on_define_program(self, rec) -> None:
+        self.programs[P.DefineProgram(*rec).id] = Program(self, rec)
+
+    def on_replay(self, rec) -> None:
+        """A window of a program's shape: one task per local device, its outside inputs' blobs
+        found now (as a kernel's are when it is queued), then the ones it releases let go."""
+        program = self.programs[rec[1]]
+        outside_ids, made, scalars = program.bind(rec)
+        runs = []
+        for dev in program.devices:
+            steps, reads = program.on(dev)
+            blobs, outside = dev.blobs, [None] * program.n_outside
+            for j in reads:
+                outside[j] = b = blobs.get(outside_ids[j])
+                if b is None:  # not this runtime's tensor: the kernels report it, as usual
+                    for r in program.expand(rec):
+                        self.on_release(r) if type(r) is int else self.on_kernel(r)
+                    return
+            runs.append((dev, steps, outside))
+        for dev, steps, outside in runs:
+            survivors = {}
+            for k in program.survivors:
+                spec, out_devices = program.survivor_specs[k]
+                if dev in out_devices:
+                    dev.blobs[made[k]] = survivors[k] = Blob(spec, memory=dev.memory)
+                    self.owners[made[k]] = out_devices
+            dev.stream(program.stream).put(
+                ProgramRun(steps, outside, survivors, (outside_ids, made), scalars, self))
+        for j in program.released:
+            self.on_release(outside_ids[j])
 
     def record_events(self, dev: Device, streams) -> list:
         """An Event recorded on each of ``streams`` after the work queued there so far."""
@@ -552,6 +590,8 @@ class Host:
         P.SYNC: on_sync,
         P.WELCOME: on_welcome,
         P.TRACE: on_trace,
+        P.DEFINE_PROGRAM: on_define_program,
+        P.REPLAY: on_replay,
     }
 
     # -- main loop ------------------------------------------------------------------------------

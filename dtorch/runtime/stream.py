@@ -148,7 +148,7 @@ class Recorder:
         t0 = time.time_ns()
         item()
         self.events.append((name, stream.label[0], stream.label[1], t0, time.time_ns(),
-                            item.steps[-1][3]))
+                            item.site))
 
 
 class Stream:
