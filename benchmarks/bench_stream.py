@@ -1,12 +1,18 @@
 """End-to-end: a stream of small ops ending in a sync.
 
-1. 100 000 ops on a 1-device mesh vs torch eager on the same small tensor (goal: <= 1.5x).
-2. The same program on a 2-device mesh vs PyTorch DTensor on 2 gloo ranks (goal: >= 5x faster).
-   DTensor is measured on fewer ops (it is slow) and compared per op.
-Both baselines run in this same invocation, so machine noise hits both sides alike.
+1. On a 1-device mesh vs torch eager on the same small tensor (goal: <= 1.5x), for both kinds of
+   small op: tensor-scalar (``x * 0.5``, ``x + 1.0``: torch wraps the scalar, its slow case) and
+   tensor-tensor (``acc + b``: torch's fastest). Each is timed with the controller's replay on
+   and off (two runtimes, one after the other).
+2. The tensor-scalar program on a 2-device mesh vs PyTorch DTensor on 2 gloo ranks (goal: >= 5x
+   faster). DTensor is measured on fewer ops (it is slow) and compared per op.
+
+Every figure is the median of ``BENCH_REPEATS`` timings, torch's and dtorch's alternating, so
+machine noise hits both sides alike.
 """
 
 import os
+import statistics
 import sys
 import time
 
@@ -17,9 +23,10 @@ from baseline import run_on_gloo_ranks
 
 N = int(os.environ.get("BENCH_OPS", "100000"))
 N_DTENSOR = int(os.environ.get("BENCH_DTENSOR_OPS", "3000"))
+REPEATS = int(os.environ.get("BENCH_REPEATS", "5"))
 
 
-def program(x, n):
+def tensor_scalar(x, b, n):
     # a small elementwise chain: what an optimizer step or activation stack issues
     for _ in range(n // 2):
         x = x * 0.5
@@ -27,57 +34,81 @@ def program(x, n):
     return x
 
 
-def time_torch(n):
-    x = torch.ones(64, 8)
+def tensor_tensor(x, b, n):
+    for _ in range(n):
+        x = x + b
+    return x
+
+
+PROGRAMS = {"tensor-scalar": tensor_scalar, "tensor-tensor": tensor_tensor}
+
+
+def time_torch(program, n):
+    x, b = torch.ones(64, 8), torch.full((64, 8), 1e-3)
     t0 = time.perf_counter()
-    program(x, n).sum().item()
+    program(x, b, n).sum().item()
     return time.perf_counter() - t0
 
 
-def time_dtorch(mesh, placements, n):
+def time_dtorch(program, mesh, placements, n):
     x = dtorch.ones((64, 8), device_mesh=mesh, placements=placements)
-    x.sum().item()  # hosts started, caches warm
+    b = dtorch.full((64, 8), 1e-3, device_mesh=mesh, placements=placements)
+    program(x, b, 2000).sum().item()  # hosts started, caches warm
     t0 = time.perf_counter()
-    program(x, n).sum().item()
+    program(x, b, n).sum().item()
     return time.perf_counter() - t0
+
+
+def medians(program, mesh, placements, n):
+    """(torch, dtorch): medians of REPEATS alternating timings, per op."""
+    ts, ds = [], []
+    for _ in range(REPEATS):
+        ts.append(time_torch(program, n) / n)
+        ds.append(time_dtorch(program, mesh, placements, n) / n)
+    return statistics.median(ts), statistics.median(ds)
 
 
 def _dtensor_rank(rank, n):
-    """Seconds for ``program`` over ``n`` ops on a DTensor sharded over the gloo ranks."""
+    """Seconds for ``tensor_scalar`` over ``n`` ops on a DTensor sharded over the gloo ranks."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])
-    program(x, 100).sum().full_tensor()
+    tensor_scalar(x, None, 100).sum().full_tensor()
     dist.barrier()
     t0 = time.perf_counter()
-    program(x, n).sum().full_tensor()
+    tensor_scalar(x, None, n).sum().full_tensor()
     return time.perf_counter() - t0
 
 
-def time_dtensor(n):
-    return run_on_gloo_ranks(_dtensor_rank, n)
+def one_device(replay: bool) -> None:
+    os.environ["DTORCH_REPLAY"] = "1" if replay else "0"  # read by the controller at its start
+    dtorch.shutdown()
+    one = dtorch.DeviceMesh("cpu", [0])
+    for name, program in PROGRAMS.items():
+        t, d = medians(program, one, [dtorch.Replicate()], N)
+        print(f"  {name:13s} replay {'on ' if replay else 'off'}: torch {t * 1e6:5.2f} us/op   "
+              f"dtorch {d * 1e6:5.2f} us/op   ratio {d / t:.2f}x (goal <= 1.5x)")
 
 
 def main():
-    one = dtorch.DeviceMesh("cpu", [0])
+    print(f"{N} small ops + sync, 1-device mesh, medians of {REPEATS}")
+    one_device(replay=True)
+    one_device(replay=False)
+    os.environ["DTORCH_REPLAY"] = "1"
+    dtorch.shutdown()
     two = dtorch.DeviceMesh("cpu", [0, 1])
-    t_torch = time_torch(N)
-    t_one = time_dtorch(one, [dtorch.Replicate()], N)
-    t_two = time_dtorch(two, [dtorch.Shard(0)], N)
-    print(f"{N} small ops + sync")
-    print(f"  torch eager            : {t_torch:7.3f} s  ({t_torch / N * 1e6:5.2f} us/op)")
-    print(f"  dtorch, 1-device mesh  : {t_one:7.3f} s  ({t_one / N * 1e6:5.2f} us/op)  "
-          f"ratio vs torch {t_one / t_torch:.2f}x (goal <= 1.5x)")
-    print(f"  dtorch, 2-device mesh  : {t_two:7.3f} s  ({t_two / N * 1e6:5.2f} us/op)")
+    ts = [time_dtorch(tensor_scalar, two, [dtorch.Shard(0)], N) / N for _ in range(REPEATS)]
+    per_two = statistics.median(ts)
+    print(f"tensor-scalar, 2-device mesh: dtorch {per_two * 1e6:5.2f} us/op")
     if "--no-dtensor" in sys.argv:
         return
-    t_dt = time_dtensor(N_DTENSOR)
-    per_dt, per_two = t_dt / N_DTENSOR, t_two / N
-    print(f"  torch DTensor, 2 ranks : {per_dt * 1e6:7.2f} us/op (over {N_DTENSOR} ops)  "
-          f"dtorch is {per_dt / per_two:.1f}x faster (goal >= 5x)")
+    per_dt = statistics.median(run_on_gloo_ranks(_dtensor_rank, N_DTENSOR) / N_DTENSOR
+                               for _ in range(3))
+    print(f"  torch DTensor, 2 ranks: {per_dt * 1e6:7.2f} us/op (over {N_DTENSOR} ops, median "
+          f"of 3)   dtorch is {per_dt / per_two:.1f}x faster (goal >= 5x)")
 
 
 if __name__ == "__main__":
