@@ -115,7 +115,7 @@ def run_symbolically(g, records) -> dict:
             made = rec[2 + d.n_outside:2 + d.n_outside + d.n_made]
             scalars = rec[2 + d.n_outside + d.n_made:]
 
-            def tensor(ref):
+            def tensor(ref, made=made, outside=outside):
                 return made[ref] if ref >= 0 else outside[-1 - ref]
 
             for call_id, site, stream, outs, operands in d.steps:
@@ -158,6 +158,9 @@ def test_period_and_windows():
     keys = [5, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # other work, then a period of 3
     assert periodic(keys) == (1, 14, 3)
     assert periodic([1, 2, 3, 4, 5, 6, 7, 8]) is None
+    # two releases in a row repeat with period 1, briefly: the period of 6 is the one that holds
+    keys = [9, 9] + [1, 2, -1, 3, -1, -1] * 8
+    assert periodic(keys, min_length=24) == (2, len(keys), 6)
 
 
 def test_windows_cover_the_batch_in_order(monkeypatch):
@@ -198,7 +201,6 @@ def test_dead_code_inside_windows_is_dropped_as_the_passes_drop_it(monkeypatch):
 
 
 def test_in_place_loops_replay(monkeypatch):
-    ids = Ids()
     batch = []
     for _ in range(40):
         batch += [op(2, 5, 1, 1, 2)]  # acc.add_(b)
@@ -334,3 +336,72 @@ def test_an_error_inside_replayed_windows_names_its_line(one):
     assert f"test_replay.py:{line}" in str(info.value)
     dtorch.sync()
     assert torch.equal((x * 3).to_torch(), torch.full((4,), 3))  # the runtime goes on
+
+
+# -- random loop bodies -------------------------------------------------------------------------------
+# Each op maps the loop's state (x, y) to a new state with values kept bounded. ``lib`` is torch
+# or dtorch, for the few functions that are not Tensor methods.
+BODY_OPS = [
+    lambda lib, x, y: (x.sin(), y),
+    lambda lib, x, y: (x * 0.5 + y * 0.25, y),
+    lambda lib, x, y: (x, (y + 1.0).tanh()),
+    lambda lib, x, y: (lib.maximum(x, y) - 0.1, y),
+    lambda lib, x, y: (lib.where(x > y, x, y * 0.5), y),
+    lambda lib, x, y: (x.clamp(-1.5, 1.5), y.sigmoid()),
+    lambda lib, x, y: (x.abs().sqrt(), y),
+    lambda lib, x, y: (x - x.mean(dim=0, keepdim=True), y),  # a reduction
+    lambda lib, x, y: (x, y + x.sum(dim=1, keepdim=True) * 0.01),
+    lambda lib, x, y: (x.max(dim=0, keepdim=True).values * 0.5 + x * 0.5, y),  # 2 results
+    lambda lib, x, y: (x.mul_(0.9), y),  # in place
+    lambda lib, x, y: (x.add_(y, alpha=0.1), y),
+    lambda lib, x, y: (x, y.t().contiguous().t() * 0.99),  # views
+    lambda lib, x, y: ((x + y).cos(), y - 0.01),
+]
+
+
+def run_body(lib, x, y, body, n):
+    for _ in range(n):
+        for k in body:
+            x, y = BODY_OPS[k](lib, x, y)
+    return x, y
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("layout", ["one", "sharded"])
+def test_random_loop_bodies_equal_torch(seed, layout, one, mesh1):
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(len(BODY_OPS), (int(torch.randint(2, 7, (1,), generator=g)),),
+                         generator=g).tolist()
+    x0, y0 = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    expected = run_body(torch, x0.clone(), y0.clone(), body, 300)
+    mesh, placements = (one, [dtorch.Replicate()]) if layout == "one" else \
+        (mesh1, [dtorch.Shard(1)])
+    x = dtorch.from_torch(x0, device_mesh=mesh, placements=placements)
+    y = dtorch.from_torch(y0, device_mesh=mesh, placements=placements)
+    with dtorch.profiler.profile() as prof:
+        got = [t.to_torch() for t in run_body(dtorch, x, y, body, 300)]
+    for g_, e in zip(got, expected):
+        if layout == "one":
+            assert torch.equal(g_, e), body
+        else:
+            torch.testing.assert_close(g_, e, atol=1e-5, rtol=1e-5)
+    if layout == "one" and not any(k == 12 for k in body):  # views are not replayed
+        assert replayed_windows(prof) > 0, body
+
+
+def test_a_failed_input_poisons_the_replayed_windows_quietly(one):
+    """An input that failed before the loop: every window reading it carries that failure on,
+    and the client hears of it once, at the line that failed."""
+    zero = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
+    bad = dtorch.ones(4, dtype=torch.int64, device_mesh=one) // zero; line = inspect.currentframe().f_lineno
+    acc = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
+    with dtorch.profiler.profile() as prof:
+        for _ in range(2000):
+            acc = acc + bad
+        with pytest.raises(RuntimeError, match="floor_divide") as info:
+            acc.to_torch()
+    assert f"test_replay.py:{line}" in str(info.value)
+    assert replayed_windows(prof) > 0
+    with pytest.raises(RuntimeError, match="floor_divide"):
+        (acc + 1).to_torch()
+    dtorch.sync()

@@ -55,9 +55,11 @@ class Program(NamedTuple):
     survivors: tuple
 
 
-def periodic(keys: list):
-    """``(start, end, period)`` of the stretch around the middle of ``keys`` that repeats every
-    ``period`` items (so a batch may begin and end with other work), or None."""
+def periodic(keys: list, min_length: int = 0):
+    """``(start, end, period)`` of a stretch around the middle of ``keys`` at least
+    ``min_length`` long that repeats every ``period`` items (so a batch may begin and end with
+    other work), or None. A candidate period that holds only briefly (two releases in a row
+    repeat with period 1) is passed over for the next."""
     n = len(keys)
     middle = n // 2
     if not n:
@@ -76,7 +78,8 @@ def periodic(keys: list):
                 start -= 1
             while end < n and keys[end] == keys[end - p]:
                 end += 1
-            return start, end, p
+            if end - start >= min_length:
+                return start, end, p
     return None
 
 
@@ -85,17 +88,17 @@ def windows(records: list) -> list:
     the windows of whole periods of operators and releases, and the segments around them, which
     are lowered as usual."""
     n = len(records)
-    if n < 2 * MIN_WINDOW:
+    if n < MIN_WINDOW:
         return [(0, n, False)]
     # an operator is its call and site, a release -1, any other record a key of its own
     keys = [-1 if type(r) is int else r[P.OP_CALL] << 24 | r[P.OP_SITE] if r[0] == P.OP
             else -2 - k for k, r in enumerate(records)]
-    found = periodic(keys)
+    found = periodic(keys, MIN_WINDOW)
     if found is None:
         return [(0, n, False)]
     start, end, p = found
     size = p * -(-MIN_WINDOW // p)
-    if end - start < 2 * size:  # a single window never repeats within the batch
+    if end - start < size:  # (a single window may still repeat one of an earlier batch)
         return [(0, n, False)]
     out = [(0, start, False)] if start else []
     while start + size <= end:
