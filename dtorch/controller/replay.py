@@ -183,6 +183,7 @@ class Replayer:
         self.graph, self.passes, self.encode = graph, passes, encode
         self.programs: dict = {}  # (graph, window key) -> Program
         self.program_ids = itertools.count(1)
+        self.fit: dict = {}  # call id -> whether a window with it may replay
         self.replayed = 0  # windows replayed in the last batch (for its trace span)
 
     def run(self, records: list, out: list) -> None:
@@ -192,22 +193,48 @@ class Replayer:
         if not config.replay:
             out += self.encode(self.passes(self.nodes(records)))
             return
+        pending = []  # records lowered together: a window's edges would cut chains and DCE
         for start, end, is_window in windows(records):
             window = records[start:end]
-            if not is_window:
-                out += self.encode(self.passes(self.nodes(window)))
+            if not is_window or not self.may_replay(window):
+                pending += window
                 continue
             key, outside, made, scalars = shape_of(self.graph.calls, window)
             key = (self.graph.graph, key)
             program = self.programs.get(key)
-            if program is not None and self.advance(program, outside, made):
+            if program is not None and self.advance(program, outside, made, pending, out):
                 out.append([P.REPLAY, program.id, *outside, *made, *scalars])
                 self.replayed += 1
                 continue
+            if program is not None:  # lowered with its neighbours
+                pending += window
+                continue
+            self.lower(pending, out)
             lowered = self.passes(self.nodes(window))
-            if program is None:
-                self.learn(key, window, outside, made, lowered, out)
+            self.learn(key, window, outside, made, lowered, out)
             out += self.encode(lowered)
+        self.lower(pending, out)
+
+    def lower(self, pending: list, out: list) -> None:
+        """The records waiting in ``pending`` through the passes, into ``out``."""
+        if pending:
+            out += self.encode(self.passes(self.nodes(pending)))
+            pending.clear()
+
+    def may_replay(self, window: list) -> bool:
+        """No call of ``window`` keeps it from replaying: a collective, a view, a redistribute, a
+        recorded call or a VJP (known from the calls, so such a window costs no shape)."""
+        fit, op = self.fit, P.OP
+        for r in window:
+            if type(r) is not int and r[0] == op:
+                ok = fit.get(r[P.OP_CALL])
+                if ok is None:
+                    call = self.graph.calls[r[P.OP_CALL]]
+                    ok = fit[call.id] = not (call.flags & (COMM | VIEW | RECORD) or call.op in (
+                        "redistribute",) or call.op.startswith(P.VJP_PREFIX))
+                if not ok:
+                    return False
+        return True
 
     def nodes(self, records: list) -> list:
         """The passes' nodes: an Operator for each operator's record."""
@@ -233,10 +260,9 @@ class Replayer:
                 Operator else None
             if members is None:  # a definition, or another record: not a pure window
                 return
-            for m in members:
+            for m in members:  # (its calls may replay: ``may_replay``)
                 flags = m.call.flags
-                if (m.waits or id(m.rec) not in index or m.stream != stream
-                        or flags & (COMM | VIEW | RECORD) or m.call.op.startswith(P.VJP_PREFIX)):
+                if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
                 if flags & INPLACE:
                     written_ids.add(m.operands[0])
@@ -262,12 +288,15 @@ class Replayer:
         out.append(definition)
 
     # -- replaying (a hit) ----------------------------------------------------------------------
-    def advance(self, program: Program, outside: list, made: list) -> bool:
+    def advance(self, program: Program, outside: list, made: list, pending: list,
+                out: list) -> bool:
         """Moves the stream state on past a replay of ``program`` binding ``outside`` and
-        ``made``; False (nothing done) when an outside input was touched on another stream."""
+        ``made``, the ``pending`` records lowered first (they come before it); False (nothing
+        done) when an outside input was touched on another stream."""
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots = st.storages, st.roots
+        self.lower(pending, out)
         for t in outside:
             if t in roots:
                 return False
