@@ -55,6 +55,9 @@ class Program(NamedTuple):
     survivors: tuple
 
 
+UNFIT = Program(0, 0, frozenset(), frozenset(), ())  # a window shape that never replays
+
+
 def periodic(keys: list, min_length: int = 0):
     """``(start, end, period)`` of a stretch around the middle of ``keys`` at least
     ``min_length`` long that repeats every ``period`` items (so a batch may begin and end with
@@ -202,7 +205,8 @@ class Replayer:
             key, outside, made, scalars = shape_of(self.graph.calls, window)
             key = (self.graph.graph, key)
             program = self.programs.get(key)
-            if program is not None and self.advance(program, outside, made, pending, out):
+            if program is not None and program is not UNFIT and self.advance(
+                    program, outside, made, pending, out):
                 out.append([P.REPLAY, program.id, *outside, *made, *scalars])
                 self.replayed += 1
                 continue
@@ -222,7 +226,7 @@ class Replayer:
             pending.clear()
 
     def may_replay(self, window: list) -> bool:
-        """No call of ``window`` keeps it from replaying: a collective, a view, a redistribute, a
+        """No call of ``window`` keeps it from replaying: a collective, a redistribute, a
         recorded call or a VJP (known from the calls, so such a window costs no shape)."""
         fit, op = self.fit, P.OP
         for r in window:
@@ -230,7 +234,7 @@ class Replayer:
                 ok = fit.get(r[P.OP_CALL])
                 if ok is None:
                     call = self.graph.calls[r[P.OP_CALL]]
-                    ok = fit[call.id] = not (call.flags & (COMM | VIEW | RECORD) or call.op in (
+                    ok = fit[call.id] = not (call.flags & (COMM | RECORD) or call.op in (
                         "redistribute",) or call.op.startswith(P.VJP_PREFIX))
                 if not ok:
                     return False
@@ -253,6 +257,7 @@ class Replayer:
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
         steps, positions, written_ids = [], 0, set()
+        base = {}  # a view made in the window -> the tensor whose storage it views
         for node in lowered:
             if type(node) is int:
                 continue  # a release: the hosts free what the window made at its last use
@@ -264,9 +269,12 @@ class Replayer:
                 flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
-                if flags & INPLACE:
-                    written_ids.add(m.operands[0])
-                    written_ids.update(m.operands[k] for k in written(flags))
+                if flags & VIEW:
+                    root = base.get(m.operands[0], m.operands[0])
+                    base.update((o, root) for o in m.outs)
+                elif flags & INPLACE:  # a write through a view writes its base's storage
+                    written_ids.update(base.get(t, t) for t in (
+                        m.operands[0], *(m.operands[k] for k in written(flags))))
                 outs, operands = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands])
             positions += len(members)
@@ -274,6 +282,9 @@ class Replayer:
         survivors = [k for k, t in enumerate(made) if t not in released]
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
+        if any(made[k] in base for k in survivors):  # a view left alive: the stream state
+            self.programs[key] = UNFIT  # would need its base's storage; lowered as usual
+            return
         program = Program(
             next(self.program_ids), positions,
             frozenset(number[t] for t in written_ids if t in number),
