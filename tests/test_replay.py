@@ -233,10 +233,11 @@ def test_a_view_that_outlives_its_window_is_not_replayed(monkeypatch):
     assert replayed == lowered and hits == 0
 
 
-def test_an_input_written_on_another_stream_is_lowered_by_the_passes(monkeypatch):
-    """A loop reading a gathered value (written on the communication stream) and a collective
-    after it: no window replays while its input's last write is on another stream, and the
-    collective after the loop still waits for the loop's compute stream."""
+def test_an_input_written_on_another_stream_replays_once_waited_for(monkeypatch):
+    """A loop reading a gathered value (written on the communication stream): the first window
+    waits for the collective and is lowered by the passes; the windows after it replay, since
+    the compute stream has waited already. The collective after the loop still waits for the
+    loop's compute stream."""
     ids = Ids()
     gathered = ids()
     batch, acc = [op(3, 1, gathered, 1)], 2
@@ -246,10 +247,25 @@ def test_an_input_written_on_another_stream_is_lowered_by_the_passes(monkeypatch
         acc = y
     batch += [op(3, 2, ids(), 1)]  # redistribute again
     loop, last = tensor_tensor_loop(ids, 40, 3, 2)
+    replayed, lowered, hits = lower_both([batch], monkeypatch)
+    assert_same(replayed, lowered)
+    assert hits
     replayed, lowered, hits = lower_both([batch, loop + [op(3, 2, ids(), last)]], monkeypatch)
     assert_same(replayed, lowered)
-    assert hits  # the second batch's windows read only compute-stream values
     assert [P.WAIT, 1] in replayed  # the last redistribute waits for the compute stream
+
+
+def test_an_input_written_in_place_after_another_streams_read_is_not_replayed(monkeypatch):
+    """``acc.add_(b)`` where the communication stream has read ``acc`` since its last write: the
+    write must wait for that read, so the window goes through the passes."""
+    batch = [op(2, 5, 1, 1, 2) for _ in range(40)] + [op(3, 1, 50, 1)]  # then all-gather acc
+    second = [op(2, 5, 1, 1, 2) for _ in range(40)]
+    replayed, lowered, hits = lower_both([batch, second], monkeypatch)
+    assert_same(replayed, lowered)
+    after_gather = replayed[replayed.index(next(r for r in replayed if type(r) is not int and
+                                                r[0] == P.KERNEL and r[1] < 0)) + 1:]
+    assert after_gather[0] == [P.WAIT, 0]  # the first add_ after it waits for the gather
+    assert not any(type(r) is not int and r[0] == P.REPLAY for r in after_gather[:2])
 
 
 # -- with the runtime ------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def assign_streams(graph, nodes: list) -> list:
                         m[LAST] = pos
                     else:  # read after write
                         after = _join(after, m[WRITER], m[WRITTEN])
-                        _touch(m, s, pos)
+                        touch(m, s, pos)
                 if view is not None and view[1] != s:  # the view's handle is made there
                     after = _join(after, view[1], view[2])
             if flags & (INPLACE | VIEW):
@@ -246,7 +246,7 @@ def _join(after, t: int, pos: int) -> dict:
     return after
 
 
-def _touch(m: list, s: int, pos: int) -> None:
+def touch(m: list, s: int, pos: int) -> None:
     """Records an access to storage ``m`` at position ``pos`` of stream ``s``."""
     if m[WRITER] == s:
         m[LAST] = pos
@@ -289,7 +289,7 @@ def _fetch_stream(graph, tensor_id: int) -> int:
     if view is not None and view[1] != s and not _has_waited(st, s, view):
         s = view[1]  # made after the last write
     pos = st.position[s] = st.position.get(s, 0) + 1
-    _touch(m, s, pos)
+    touch(m, s, pos)
     return s
 
 

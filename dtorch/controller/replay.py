@@ -13,17 +13,20 @@ out (``Replayer.replay``): no Operator is made and no pass runs.
 When a window is cached and replayed (``Program``):
 
     cached     its lowering is the window's own records on one compute stream with no wait:
-               no collective, no view, no redistribute, no definition made
-    replayed   its outside inputs are no view, and were last written on that stream with no
-               other stream's access since (``StreamState``): the passes would insert no wait
+               no collective, redistribute, recorded call or VJP, no definition made, and no
+               view it makes outlives it
+    replayed   the passes would insert no wait either (``Replayer.advance``): an outside input
+               it writes was last written on that stream with no other stream's access since;
+               one it reads was last written (a view: and made) on that stream, or on one this
+               stream has waited for since, on the window's devices
 
 Replay then moves the stream state on as ``assign_streams`` would, except that every result it
-leaves alive and every outside input it writes counts as written at the window's last position,
-not its own: a later wait for one of them waits for that point, which is correct, at worst a few
-kernels late.
+leaves alive and every outside input it writes or reads counts as accessed at the window's last
+position, not its own: a later wait for one of them waits for that point, which is correct, at
+worst a few kernels late.
 
-A replayed window's dead-code elimination and chains stop at its edges (the window was lowered
-alone); so do a normal segment's.
+A replayed window's dead-code elimination and chains stop at its edges (it was lowered alone, as
+was the first window of its shape); windows that do not replay are lowered with their neighbours.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import NamedTuple
 from .. import config, protocol as P
 from ..protocol import COMM, INPLACE, RECORD, VIEW, written
 from .graph import Operator
-from .passes import LAST, OTHERS, VIEWS, WRITER, WRITTEN, Chain, compute_stream
+from .passes import LAST, OTHERS, VIEWS, WRITER, WRITTEN, Chain, compute_stream, touch
 
 MIN_WINDOW = 128  # records: shorter windows of a short period cost more per record than they save
 MAX_PERIOD = 2048  # records
@@ -46,16 +49,18 @@ class Program(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
     holds its kernels). ``positions``: the stream positions its operators take. ``written``:
     the outside inputs (by number) written in place; ``released``: those released.
-    ``survivors``: the results (by number) left alive."""
+    ``survivors``: the results (by number) left alive. ``scopes``: its kernels' device sets
+    (``CallInfo.scope``), on which a wait it no longer needs must have been made."""
 
     id: int
     positions: int
     written: frozenset
     released: frozenset
     survivors: tuple
+    scopes: frozenset
 
 
-UNFIT = Program(0, 0, frozenset(), frozenset(), ())  # a window shape that never replays
+UNFIT = Program(0, 0, frozenset(), frozenset(), (), frozenset())  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -256,7 +261,7 @@ class Replayer:
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
-        steps, positions, written_ids = [], 0, set()
+        steps, positions, written_ids, scopes = [], 0, set(), set()
         base = {}  # a view made in the window -> the tensor whose storage it views
         for node in lowered:
             if type(node) is int:
@@ -277,6 +282,7 @@ class Replayer:
                         m.operands[0], *(m.operands[k] for k in written(flags))))
                 outs, operands = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands])
+                scopes.add(m.call.scope)
             positions += len(members)
         released = {r for r in window if type(r) is int}
         survivors = [k for k, t in enumerate(made) if t not in released]
@@ -288,7 +294,8 @@ class Replayer:
         program = Program(
             next(self.program_ids), positions,
             frozenset(number[t] for t in written_ids if t in number),
-            frozenset(number[t] for t in released if t in number), tuple(survivors))
+            frozenset(number[t] for t in released if t in number), tuple(survivors),
+            frozenset(scopes))
         self.programs[key] = program
         n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
                         self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
@@ -303,32 +310,47 @@ class Replayer:
                 out: list) -> bool:
         """Moves the stream state on past a replay of ``program`` binding ``outside`` and
         ``made``, the ``pending`` records lowered first (they come before it); False (nothing
-        done) when an outside input was touched on another stream."""
+        done) when the passes would make it wait: an outside input is written here and was
+        touched on another stream, or is read here and was last written (or, for a view, made)
+        on another stream not yet waited for on the program's devices."""
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
-        storages, roots = st.storages, st.roots
+        storages, roots, covered = st.storages, st.roots, st.covered
         self.lower(pending, out)
-        for t in outside:
-            if t in roots:
-                return False
-            m = storages.get(t)
-            if m is not None and (m[WRITER] != stream or m[OTHERS] is not None):
+        for k, t in enumerate(outside):
+            view = roots.get(t)  # (its base's storage key, stream, position, devices)
+            m = storages.get(t if view is None else view[0])
+            if view is not None and view[1] != stream and not all(
+                    covered.get((stream, scope), {}).get(view[1], 0) >= view[2]
+                    for scope in program.scopes):
+                return False  # a view whose handle was made on a stream not waited for
+            if m is None:
+                continue
+            writer = m[WRITER]
+            if k in program.written:
+                if writer != stream or m[OTHERS] is not None:
+                    return False
+            elif writer != stream and not all(
+                    covered.get((stream, scope), {}).get(writer, 0) >= m[WRITTEN]
+                    for scope in program.scopes):
                 return False
         end = st.position[stream] = st.position.get(stream, 0) + program.positions
         for k, t in enumerate(outside):
-            m = storages.get(t)
-            if k in program.released:
-                if m is not None and m[VIEWS]:  # one of its ids is gone, not the storage
-                    m[VIEWS] -= 1
-                elif m is not None:
-                    del storages[t]
-            elif k in program.written:
-                if m is None:
-                    storages[t] = [stream, end, end, None, 0]
-                else:
+            view = roots.pop(t, None) if k in program.released else roots.get(t)
+            storage = t if view is None else view[0]
+            m = storages.get(storage)
+            if m is not None:
+                if k in program.written:
                     m[WRITTEN] = m[LAST] = end
-            elif m is not None:
-                m[LAST] = end
+                else:
+                    touch(m, stream, end)  # a read, here or on the writer's stream
+            elif k in program.written:
+                m = storages[storage] = [stream, end, end, None, 0]
+            if k in program.released and m is not None:
+                if m[VIEWS]:  # one of its ids is gone, not the storage
+                    m[VIEWS] -= 1
+                else:
+                    del storages[storage]
         for k in program.survivors:
             storages[made[k]] = [stream, end, end, None, 0]
         return True
