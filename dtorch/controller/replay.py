@@ -126,6 +126,8 @@ def shape_of(calls: dict, records: list):
     outside: dict = {}
     scalars: list = []
     key = []
+    # a ref's lookup is spelled out where it is needed, not a function: this runs for every
+    # tensor of every record of a window, and is most of what a replay costs the controller
     for rec in records:
         if type(rec) is int:
             ref = made.get(rec)
