@@ -80,7 +80,8 @@ def lower_both(batches, monkeypatch, window=8):
 
 def run_symbolically(g, records) -> dict:
     """What the hosts would hold after ``records``: each live id's value as an expression
-    (call, operands' expressions...), a Replay expanded by its program's definition."""
+    (call, result index, operands' expressions, stream), a Replay expanded by its program's
+    definition."""
     env, programs = {}, {}
 
     def value(t):
@@ -92,7 +93,7 @@ def run_symbolically(g, records) -> dict:
         operands = tuple(value(o) if spec else ("scalar", o)
                          for o, spec in zip(P.op_operands(rec, n), call.inputs))
         for k, t in enumerate(P.op_outs(rec, n)):
-            env[t] = (call.id, k, operands)
+            env[t] = (call.id, k, operands, rec[P.OP_STREAM])
 
     for rec in records:
         if type(rec) is int:
@@ -266,6 +267,17 @@ def test_an_input_written_in_place_after_another_streams_read_is_not_replayed(mo
                                                 r[0] == P.KERNEL and r[1] < 0)) + 1:]
     assert after_gather[0] == [P.WAIT, 0]  # the first add_ after it waits for the gather
     assert not any(type(r) is not int and r[0] == P.REPLAY for r in after_gather[:2])
+
+
+def test_a_window_after_a_graph_switch_is_not_replayed_from_the_other_graph(monkeypatch):
+    """The same loop under two dtorch.Graphs, the second batch switching graphs first: each
+    graph's windows run on its own compute stream (a program is keyed by its graph)."""
+    ids = Ids()
+    first, x = tensor_tensor_loop(ids, 40, 1, 2)
+    second, _ = tensor_tensor_loop(ids, 40, x, 2)
+    replayed, lowered, hits = lower_both([first, [[P.SET_GRAPH, 1]] + second], monkeypatch)
+    assert_same(replayed, lowered)  # (expressions carry their kernels' streams)
+    assert hits
 
 
 # -- with the runtime ------------------------------------------------------------------------------

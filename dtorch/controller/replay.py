@@ -209,18 +209,19 @@ class Replayer:
             if not is_window or not self.may_replay(window):
                 pending += window
                 continue
+            # what came before first: it moves the stream state on, and may switch the graph
+            self.lower(pending, out)
             key, outside, made, scalars = shape_of(self.graph.calls, window)
             key = (self.graph.graph, key)
             program = self.programs.get(key)
             if program is not None and program is not UNFIT and self.advance(
-                    program, outside, made, pending, out):
+                    program, outside, made):
                 out.append([P.REPLAY, program.id, *outside, *made, *scalars])
                 self.replayed += 1
                 continue
             if program is not None:  # lowered with its neighbours
                 pending += window
                 continue
-            self.lower(pending, out)
             lowered = self.passes(self.nodes(window))
             self.learn(key, window, outside, made, lowered, out)
             out += self.encode(lowered)
@@ -308,17 +309,14 @@ class Replayer:
         out.append(definition)
 
     # -- replaying (a hit) ----------------------------------------------------------------------
-    def advance(self, program: Program, outside: list, made: list, pending: list,
-                out: list) -> bool:
+    def advance(self, program: Program, outside: list, made: list) -> bool:
         """Moves the stream state on past a replay of ``program`` binding ``outside`` and
-        ``made``, the ``pending`` records lowered first (they come before it); False (nothing
-        done) when the passes would make it wait: an outside input is written here and was
+        ``made``; False (nothing done) when the passes would make it wait: an outside input is written here and was
         touched on another stream, or is read here and was last written (or, for a view, made)
         on another stream not yet waited for on the program's devices."""
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots, covered = st.storages, st.roots, st.covered
-        self.lower(pending, out)
         for k, t in enumerate(outside):
             view = roots.get(t)  # (its base's storage key, stream, position, devices)
             m = storages.get(t if view is None else view[0])
