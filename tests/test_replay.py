@@ -446,3 +446,21 @@ def test_a_failed_input_poisons_the_replayed_windows_quietly(one):
     with pytest.raises(RuntimeError, match="floor_divide"):
         (acc + 1).to_torch()
     dtorch.sync()
+
+
+def test_a_tensor_of_an_earlier_runtime_read_in_replayed_windows(one):
+    """A host that lacks a replay's outside input expands the replay into its records, which
+    report the missing operand as usual (and the runtime goes on)."""
+    stale = dtorch.ones(4, device_mesh=one)
+    stale.to_torch()
+    dtorch.shutdown()
+    one = dtorch.DeviceMesh("cpu", [0])
+    acc = dtorch.zeros(4, device_mesh=one)
+    with dtorch.profiler.profile() as prof:
+        for _ in range(2000):
+            acc = acc + stale
+        with pytest.raises(RuntimeError, match="not on this runtime"):
+            acc.to_torch()
+    assert replayed_windows(prof) > 0
+    dtorch.sync()
+    assert torch.equal((dtorch.ones(4, device_mesh=one) * 2).to_torch(), torch.full((4,), 2.0))
