@@ -35,6 +35,7 @@ host's events once the sync returns.
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import msgpack
@@ -411,3 +412,15 @@ def unpack_static(blob: bytes) -> list:
         return msgpack.ExtType(code, data)
 
     return msgpack.unpackb(blob, ext_hook=ext, raw=False, use_list=False)
+
+
+def buffer_of(t):
+    """The memory of a contiguous CPU tensor as a writable buffer of bytes, without a copy: what
+    a tensor's value travels as (zmq sends the buffer as it is) and what a checkpoint reads
+    into. The buffer keeps the tensor alive. (No NumPy: dtorch does not depend on it.)"""
+    n = t.numel() * t.element_size()
+    if not n:
+        return bytearray()
+    buf = (ctypes.c_uint8 * n).from_address(t.data_ptr())
+    buf.tensor = t
+    return buf

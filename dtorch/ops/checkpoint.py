@@ -55,6 +55,7 @@ import struct
 import msgpack
 import torch
 
+from .. import protocol as P
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from .registry import IMPURE, INPLACE, OpDef, issue, register
@@ -115,7 +116,7 @@ def _read_rows(fd, pos, dtype, shape, off, n, out) -> None:
     row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one index of dim 0
     direct = out.dtype == dtype and out.device.type == "cpu"
     if direct and tuple(n[1:]) == tuple(shape[1:]) and out.is_contiguous():
-        _pread_split(fd, pos + off[0] * row, _bytes(out))  # the block's bytes lie together
+        _pread_split(fd, pos + off[0] * row, P.buffer_of(out))  # the block's bytes lie together
         return
     # a run of bytes per row, each straight into its row (the bytes between them: few)
     if direct and len(shape) > 1 and tuple(n[2:]) == tuple(shape[2:]) and (
@@ -147,7 +148,7 @@ def _scatter_rows(fd, pos, dtype, shape, off, n, out) -> None:
         return
     # the bytes from out's first row to its last, as one buffer each row is a slice of
     span = out.as_strided(((n[0] - 1) * (stride // item) + run // item,), (1,))
-    rows = memoryview(_bytes(span))
+    rows = memoryview(P.buffer_of(span))
     scratch = memoryview(bytearray(row - run)) if row > run else None
     first = pos + off[0] * row + off[1] * inner
     batch = max(1, _IOV_MAX // 2)
@@ -165,14 +166,9 @@ def _scatter_rows(fd, pos, dtype, shape, off, n, out) -> None:
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def _bytes(t: torch.Tensor):
-    """The bytes of a contiguous CPU tensor, as a writable buffer (no copy)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 def _read_tensor(fd, pos: int, dtype, shape) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype)
-    _pread(fd, pos, [_bytes(t)])
+    _pread(fd, pos, [P.buffer_of(t)])
     return t
 
 
@@ -252,7 +248,7 @@ def write_file(path: str, items, metadata: dict | None = None) -> None:
         f.write(raw)
         for _, t in items:
             if t.numel():
-                f.write(_bytes(t.detach().to("cpu").contiguous()))
+                f.write(P.buffer_of(t.detach().to("cpu").contiguous()))
     os.replace(partial, path)
 
 

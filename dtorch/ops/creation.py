@@ -28,6 +28,7 @@ import random
 
 import torch
 
+from .. import protocol as P
 from ..mesh import DeviceMesh
 from ..placement import as_int, check_partials, is_int, normalize_placements
 from ..tensor import Tensor
@@ -293,7 +294,7 @@ def _seed(name, generator, draw, size, dtype, **kw):
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"{name}(): argument 'generator' must be torch.Generator, not "
                         f"{type(generator).__name__}")
-    state = bytes(generator.get_state().numpy())
+    state = bytes(P.buffer_of(generator.get_state()))
     draw(size, generator=generator, dtype=dtype, **kw)
     return state
 
@@ -398,7 +399,7 @@ def from_torch(tensor: torch.Tensor, device_mesh=None, placements=None, *, devic
         raise TypeError(f"from_torch expects a torch.Tensor, got {type(tensor).__name__}")
     _, mesh = layout("from_torch", tensor.dtype, device, device_mesh, graph, floating=False)
     data = tensor.detach().to("cpu").contiguous()
-    raw = data.view(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    raw = bytes(P.buffer_of(data))
     return with_grad(on_graph(graph, "from_data", (raw,),
                     (tuple(data.shape), data.dtype, mesh, placements)), requires_grad)
 

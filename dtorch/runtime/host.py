@@ -526,7 +526,7 @@ class Host:
         except Exception as e:  # noqa: BLE001 - e.g. a kernel that returned no tensor
             self.send(P.FetchFailed(P.FETCH_FAILED, request, -1, "to_torch", repr(e)))
             return
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        data = P.buffer_of(t) if t.numel() else b""
         self.send(P.Value(P.VALUE, request, list(coord), list(t.shape), str(t.dtype)[6:]), data)
 
     def all_streams(self) -> list:
