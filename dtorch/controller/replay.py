@@ -242,8 +242,9 @@ class Replayer:
                 ok = fit.get(r[P.OP_CALL])
                 if ok is None:
                     call = self.graph.calls[r[P.OP_CALL]]
-                    ok = fit[call.id] = not (call.flags & (COMM | RECORD) or call.op in (
-                        "redistribute",) or call.op.startswith(P.VJP_PREFIX))
+                    ok = fit[call.id] = not (call.flags & (COMM | RECORD)
+                                             or call.op == "redistribute"
+                                             or call.op.startswith(P.VJP_PREFIX))
                 if not ok:
                     return False
         return True
@@ -311,9 +312,9 @@ class Replayer:
     # -- replaying (a hit) ----------------------------------------------------------------------
     def advance(self, program: Program, outside: list, made: list) -> bool:
         """Moves the stream state on past a replay of ``program`` binding ``outside`` and
-        ``made``; False (nothing done) when the passes would make it wait: an outside input is written here and was
-        touched on another stream, or is read here and was last written (or, for a view, made)
-        on another stream not yet waited for on the program's devices."""
+        ``made``; False (nothing done) when the passes would make it wait: an outside input is
+        written here and was touched on another stream, or is read here and was last written
+        (or, for a view, made) on another stream not yet waited for on the program's devices."""
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots, covered = st.storages, st.roots, st.covered
