@@ -164,13 +164,35 @@ def test_period_and_windows():
     assert periodic(keys, min_length=24) == (2, len(keys), 6)
 
 
+def test_windows_of_a_loop_have_one_shape_wherever_the_batch_cuts_it(monkeypatch):
+    """A loop's windows start at the cut the fewest tensors cross (replay.phase), so batches
+    that cut the loop anywhere replay one program, not one per phase; and its temporaries'
+    lives stay inside a window."""
+    monkeypatch.setattr(replay, "MIN_WINDOW", 8)
+    g = make_graph()
+    shapes = set()
+    for offset in range(4):
+        ids = Ids()
+        body, _ = scalar_chain_loop(ids, 30, 1)
+        batch = [op(4, 5, ids(), 1, 2)] + body[offset:]  # other work, then the loop from anywhere
+        for start, end, is_window in windows(batch, g.calls):
+            if is_window:
+                key, outside, made, _ = replay.shape_of(g.calls, batch[start:end])
+                shapes.add((key, len(outside)))
+    assert len(shapes) == 1
+    (_, n_outside), = shapes
+    assert n_outside == 1  # one tensor crosses a cut: the chain's x
+
+
 def test_windows_cover_the_batch_in_order(monkeypatch):
     monkeypatch.setattr(replay, "MIN_WINDOW", 4)
     ids = Ids()
     batch, _ = tensor_tensor_loop(ids, 20, 1, 2)
     batch = [[P.SYNC, 1], *batch, [P.FETCH, 3, 9]]
-    cuts = windows(batch)
-    assert cuts[0] == (0, 1, False) and cuts[-1][1] == len(batch)
+    cuts = windows(batch, make_graph().calls)
+    # the sync, then the loop up to the period's phase (replay.phase), lowered as usual
+    assert cuts[0][0] == 0 and not cuts[0][2] and 1 <= cuts[0][1] < 1 + 4
+    assert cuts[-1][1] == len(batch)
     assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
     assert sum(w for _, _, w in cuts) >= 3 and all(e - s == 4 for s, e, w in cuts if w)
 

@@ -91,7 +91,46 @@ def periodic(keys: list, min_length: int = 0):
     return None
 
 
-def windows(records: list) -> list:
+def phase(calls: dict, records: list, keys: list, start: int, p: int) -> int:
+    """Where, from ``start``, the windows of a stretch with period ``p`` begin: the same
+    wherever a batch cut the loop, so that a loop's windows have one shape (one program for the
+    hosts to lower, and to fuse, rather than one per phase). At the cut that the fewest tensors
+    cross (made in the period before it, not yet released): a window then holds its temporaries'
+    whole lives, so that views die inside it and dead code can be dropped. Ties go to the least
+    rotation of the keys. Needs three periods of the stretch; the first period's records only
+    tell which tensors are alive at its end."""
+    first = start + p
+    made, released = {}, {}
+    for i in range(start, start + 2 * p):
+        rec = records[i]
+        if type(rec) is int:
+            released[rec] = i
+        else:
+            n_out = len(calls[rec[P.OP_CALL]].outputs)
+            for t in rec[P.OP_OUTS:P.OP_OUTS + n_out]:
+                made.setdefault(t, i)
+    crossing = [0] * (p + 1)  # a difference array over the cuts
+    for t, m in made.items():
+        # alive at the cuts c with m < c <= its release (and c - p <= m: made in the period
+        # before c), as a run of cuts
+        lo = max(m + 1, first)
+        hi = min(released.get(t, start + 3 * p), m + p, first + p - 1)
+        if lo <= hi:
+            crossing[lo - first] += 1
+            crossing[hi - first + 1] -= 1
+    running, costs = 0, []
+    for k in range(p):
+        running += crossing[k]
+        costs.append(running)
+    best = min(costs)
+    candidates = [k for k in range(p) if costs[k] == best]
+    if len(candidates) > 1:
+        doubled = keys[first:first + 2 * p]
+        candidates.sort(key=lambda k: doubled[k:k + p])
+    return candidates[0]  # the same phase from start as from first
+
+
+def windows(records: list, calls: dict) -> list:
     """``[(start, end, is_window)]`` covering a batch's ``records`` (definitions taken out):
     the windows of whole periods of operators and releases, and the segments around them, which
     are lowered as usual."""
@@ -105,6 +144,8 @@ def windows(records: list) -> list:
     if found is None:
         return [(0, n, False)]
     start, end, p = found
+    if end - start >= 3 * p:
+        start += phase(calls, records, keys, start, p)
     size = p * -(-MIN_WINDOW // p)
     if end - start < size:  # (a single window may still repeat one of an earlier batch)
         return [(0, n, False)]
@@ -204,7 +245,7 @@ class Replayer:
             out += self.encode(self.passes(self.nodes(records)))
             return
         pending = []  # records lowered together: a window's edges would cut chains and DCE
-        for start, end, is_window in windows(records):
+        for start, end, is_window in windows(records, self.graph.calls):
             window = records[start:end]
             if not is_window or not self.may_replay(window):
                 pending += window
