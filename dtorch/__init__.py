@@ -55,9 +55,10 @@ from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 _frontend.install(sys.modules[__name__], nn.functional, Tensor)
 
 
-def sync() -> None:
-    """Waits for every operator issued so far (``default_graph.sync()``)."""
-    default_graph.sync()
+def sync(compiles: bool = False) -> None:
+    """Waits for every operator issued so far (``default_graph.sync()``); ``compiles=True``
+    also for the kernel fusions they started (see ``Graph.sync``)."""
+    default_graph.sync(compiles)
 
 
 __version__ = "0.1.0"

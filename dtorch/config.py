@@ -26,6 +26,17 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   runs.
 - replay (DTORCH_REPLAY): the controller lowers a repeating run of records once and replays it
   (``controller/replay.py``); 0 lowers every record through the passes.
+- fusion (DTORCH_FUSION): a host compiles the elementwise stretches of a program it has replayed
+  ``fusion_after`` times in a row with the same scalars, in the background, and swaps the fused
+  code in once it is ready (``runtime/fusion.py``); 0 never compiles.
+- fusion_after (DTORCH_FUSION_AFTER), fusion_after_s (DTORCH_FUSION_AFTER_S): a program is
+  hot once it has been replayed that many times in a row with the same scalars and its runs
+  have taken that many seconds on the device. A compile costs seconds of a host's CPU, so only
+  a program that has already cost as much is likely to repay it.
+- cuda_graphs (DTORCH_CUDA_GRAPHS): on a GPU, a hot program (above) is also captured whole as
+  a CUDA graph and launched as one (``runtime/cuda_graphs.py``); 0 never captures.
+- fusion_cache_dir (DTORCH_FUSION_CACHE): where the compiled code is cached on disk (inductor's
+  cache), so a later program with the same stretches does not compile them again.
 
 DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
 set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
@@ -51,6 +62,12 @@ heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
 collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
 max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
 replay = os.environ.get("DTORCH_REPLAY", "1") != "0"
+fusion = os.environ.get("DTORCH_FUSION", "1") != "0"
+fusion_after = int(os.environ.get("DTORCH_FUSION_AFTER", "256"))
+fusion_after_s = float(os.environ.get("DTORCH_FUSION_AFTER_S", "2"))
+cuda_graphs = os.environ.get("DTORCH_CUDA_GRAPHS", "1") != "0"
+fusion_cache_dir = os.environ.get("DTORCH_FUSION_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "dtorch", "inductor")
 machine_devices = None
 
 

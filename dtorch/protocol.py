@@ -80,6 +80,7 @@ DEFINE_PROGRAM, REPLAY = 30, 31
 NODE_BATCH, NODE_CONTROL = b"B", b"C"
 CONTROLLER = -1  # the host index of what the controller itself sends (a Synced, TraceEvents)
 CLIENT = -2  # the host index of the client's own TraceEvents (``dtorch.profiler``)
+FUSION_TRACK = 1 << 16  # the stream id of a device's kernel-fusion compiles in TraceEvents
 
 
 class DefineMesh(NamedTuple):
@@ -186,6 +187,7 @@ class Fetch(NamedTuple):
 class Sync(NamedTuple):
     tag: int
     token: int
+    compiles: int = 0  # 1: hosts also wait for the kernel fusions started so far to be done
 
 
 class SetGraph(NamedTuple):

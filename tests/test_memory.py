@@ -6,6 +6,9 @@ resident memory (VmRSS) of the runtime's processes."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -93,7 +96,10 @@ def loop(n):
             assert acc.redistribute(placements=[Replicate()]).sum().item() == (i + 2) * 32768
     return acc
 
-assert loop(N).sum().item() == 2 * 16384 * (N + 1)  # warm: caches, allocator pools, threads
+for _ in range(2):  # warm: caches, allocator pools, threads, and the loop's fused code (the
+    # hosts' compiler and its modules come once, and cost a host about 140 MB)
+    assert loop(N).sum().item() == 2 * 16384 * (N + 1)
+    dtorch.sync(compiles=True)
 controller, hosts = runtime_pids()
 pids = [controller, *hosts]
 before = [rss_kb(p) for p in pids]
@@ -118,3 +124,16 @@ def test_100k_tensors_keep_every_process_flat():
     assert max(growth) < 8, growth
     assert r["pending"] == r["errors"] == r["failures"] == 0
     assert r["records"] < 10
+
+
+def test_cpu_hosts_keep_freed_blocks_unless_glibc_is_told_otherwise():
+    """runtime/cpu_memory.py: a host's malloc keeps freed blocks (and gives them back on
+    request), but glibc's own variables leave glibc's behaviour in place."""
+    code = ("from dtorch.runtime import cpu_memory; print(cpu_memory.keep_freed_blocks()); "
+            "cpu_memory.release_cached()")
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    for env, expected in ((plain, "True"), ({**plain, "MALLOC_TRIM_THRESHOLD_": "131072"},
+                                            "False")):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=60, check=True).stdout.strip()
+        assert out == expected

@@ -138,10 +138,12 @@ class Graph:
         return g
 
     # -- waits ----------------------------------------------------------------------------------
-    def sync(self) -> None:
+    def sync(self, compiles: bool = False) -> None:
         """Waits until every operator issued so far (on every graph and device) has run;
-        raises the kernel errors reported since the last wait."""
-        _session.current().sync()
+        raises the kernel errors reported since the last wait. ``compiles=True`` also waits
+        until every kernel fusion those operators started (``dtorch.config.fusion``) is
+        compiled and swapped in, or given up: what a benchmark of fused code waits for."""
+        _session.current().sync(compiles)
 
     def sync_future(self) -> VoidFutureCollect:
         """``sync()`` without the wait: returns at once; the future is ready once every
@@ -153,13 +155,14 @@ class Graph:
     def empty_cache(self) -> None:
         """Frees what the devices hold but no longer use: collects the client's garbage (its
         dropped tensors release their blobs), waits for the releases, then empties the
-        caching allocator of each CUDA device this runtime has used. A CPU device caches
-        nothing: there the first two steps are all."""
+        caching allocator of each device this runtime has used (CUDA's; on a CPU, the freed
+        blocks its host's malloc keeps: ``runtime/cpu_memory.py``)."""
         gc.collect()
         self.sync()
-        cuda = _used_devices("cuda")
-        if cuda:
-            issue("empty_cache", (), (len(cuda), DeviceMesh("cuda", cuda)))
+        for device_type in ("cuda", "cpu"):
+            devices = _used_devices(device_type)
+            if devices:
+                issue("empty_cache", (), (len(devices), DeviceMesh(device_type, devices)))
         self.sync()
 
     def get_memory_stats(self, device_mesh=None, reset_peak: bool = False) -> MemoryStats:

@@ -319,20 +319,21 @@ class Session:
             self._fail_all()
         return future
 
-    def sync_async(self) -> TensorFuture:
+    def sync_async(self, compiles: bool = False) -> TensorFuture:
         """A sync that does not wait: the future completes once every operator issued so far
-        has run; its get() raises the kernel errors reported before it."""
+        has run (and, with ``compiles``, every kernel fusion they started is compiled and in
+        use, or given up); its get() raises the kernel errors reported before it."""
         request = next(self.requests)
         future = TensorFuture(check=self.raise_errors)
         self.pending[request] = (future, None, None)
-        self.append(P.Sync(P.SYNC, request))
+        self.append(P.Sync(P.SYNC, request, int(compiles)))
         self.flush()
         if self.fatal is not None:
             self._fail_all()
         return future
 
-    def sync(self) -> None:
-        self.sync_async().get()
+    def sync(self, compiles: bool = False) -> None:
+        self.sync_async(compiles).get()
 
     def trace(self, on: bool):
         """Starts kernel recording on every host (None), or stops it and returns each host's

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import Shard
+from ..runtime import cpu_memory
 from .registry import IMPURE, OpDef, register
 from .rules import Placed
 
@@ -43,6 +44,8 @@ def _memory_stats(ctx, *, n, reset_peak=False):
 def _empty_cache(ctx, *, n):
     if ctx.device.torch_device.type == "cuda":
         torch.cuda.empty_cache()  # the stream thread's current device is this one
+    else:
+        cpu_memory.release_cached()  # the whole host's: its devices share one malloc
     return _row(ctx, False)
 
 
@@ -65,4 +68,4 @@ register(OpDef("memory_stats", "memory_stats(n, *, reset_peak=False, device_mesh
 register(OpDef("empty_cache", "empty_cache(n, *, device_mesh=None)", _empty_cache,
                one_row_per_device, meta=_rows_meta, function=False, flags=IMPURE,
                uses_context=True,
-               doc="Frees each CUDA device's cached blocks (``Graph.empty_cache``)."))
+               doc="Frees each device's cached blocks (``Graph.empty_cache``)."))

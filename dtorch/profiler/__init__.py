@@ -16,7 +16,9 @@ end (``time.time_ns()``, one clock for all processes of a machine) and the user'
 issued it (``args.site``). The span starts after the kernel's waits for other streams, so it is
 busy time. ``stop`` gathers the records into one trace in the JSON "traceEvents" format: one
 process per device (pid = the device index), one thread per stream (tid = the stream id: 0 is
-the communication stream, graph g's compute stream is g + 1). Two more processes come first:
+the communication stream, graph g's compute stream is g + 1; a device's kernel-fusion compiles
+have a thread of their own, "fusion compiler", and a replay that runs fused code says so in its
+name: ``replay (N kernels, K fused)``). Two more processes come first:
 the client (issuing: the user's thread building a batch of records, from its first record to
 its send; flushing: the send; and the ``dtorch.cuda.nvtx`` ranges, at issue time), and the
 controller (each batch's passes, with how many records went in and out). Open the file at
@@ -162,6 +164,8 @@ PIDS = {P.CLIENT: CLIENT_PID, P.CONTROLLER: CONTROLLER_PID}
 def _stream_name(device: int, sid: int) -> str:
     if device in STREAMS:
         return STREAMS[device][sid]
+    if sid == P.FUSION_TRACK:
+        return "fusion compiler"
     return "comm" if sid == 0 else f"compute (graph {sid - 1})"
 
 
@@ -200,7 +204,7 @@ def chrome_events(replies, site_names=(), client_spans=()) -> list:
         if device in PIDS:
             cat, args = ("client" if device == P.CLIENT else "controller"), {}
         else:
-            cat = "comm" if stream == 0 else "compute"
+            cat = "comm" if stream == 0 else "fusion" if stream == P.FUSION_TRACK else "compute"
             args = {"host": r.host, "site": site_names[site] if site < len(site_names)
                     else site}
         out.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": stream,

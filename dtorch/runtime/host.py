@@ -36,7 +36,9 @@ from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS
+from . import cpu_memory
 from .context import Groups, KernelContext
+from .fusion import Fuser
 from .program import Program, ProgramRun
 from .stream import Blob, Event, Memory, Recorder, Stream
 from .vjp import ForwardFailed, Saved, recording, vjp
@@ -308,6 +310,7 @@ class Host:
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
         self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
         self.programs: dict = {}  # replayed window shapes (runtime/program.py)
+        self.fuser = Fuser(self)  # their hot stretches, compiled (runtime/fusion.py)
         self._local: dict = {}  # mesh id -> local Devices
         self._store_path = None  # the rendezvous store's file (Welcome)
         self._store_relay = ""  # or, on a machine of a cluster, its node agent (Welcome)
@@ -422,16 +425,19 @@ class Host:
         outside_ids, made, scalars = program.bind(rec)
         runs = []
         for dev in program.devices:
-            steps, reads = program.on(dev)
+            steps, reads, probe, hot = self.fuser.lowering(program, dev, scalars)
             blobs, outside = dev.blobs, [None] * program.n_outside
             for j in reads:
                 outside[j] = b = blobs.get(outside_ids[j])
                 if b is None:  # not this runtime's tensor: the kernels report it, as usual
+                    for p in [probe] + [run[3] for run in runs]:
+                        if p is not None:  # nothing copied: the compiler gives it up
+                            p.done()
                     for r in program.expand(rec):
                         self.on_release(r) if type(r) is int else self.on_kernel(r)
                     return
-            runs.append((dev, steps, outside))
-        for dev, steps, outside in runs:
+            runs.append((dev, steps, outside, probe, hot))
+        for dev, steps, outside, probe, hot in runs:
             survivors = {}
             for k in program.survivors:
                 spec, out_devices = program.survivor_specs[k]
@@ -439,7 +445,8 @@ class Host:
                     dev.blobs[made[k]] = survivors[k] = Blob(spec, memory=dev.memory)
                     self.owners[made[k]] = out_devices
             dev.stream(program.stream).put(
-                ProgramRun(steps, outside, survivors, (outside_ids, made), scalars, self))
+                ProgramRun(steps, outside, survivors, (outside_ids, made), scalars, self, probe,
+                           hot))
         for j in program.released:
             self.on_release(outside_ids[j])
 
@@ -551,9 +558,14 @@ class Host:
             s.put(lambda s=s: reached(s))
 
     def on_sync(self, rec) -> None:
-        token = P.Sync(*rec).token
+        sync = P.Sync(*rec)
+
+        def synced():
+            self.send(P.Synced(P.SYNCED, sync.token, self.index))
+
         self.when_streams_reach(self.all_streams(), lambda s: None,
-                                lambda: self.send(P.Synced(P.SYNCED, token, self.index)))
+                                (lambda: self.fuser.when_idle(synced)) if sync.compiles
+                                else synced)
 
     def on_trace(self, rec) -> None:
         """Tracing on or off, at this point of every stream's queue. Off: once every stream has
@@ -638,4 +650,5 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
         config.machine_devices = tuple(int(n) for n in args.devices.split(":"))
     if args.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
+        cpu_memory.keep_freed_blocks()
     Host(args.index, args.device_type, args.controller, keys).run()

@@ -14,6 +14,8 @@ first result) and every result depending on it carries that error on, quietly.
 
 from __future__ import annotations
 
+import time
+
 from .. import protocol as P
 
 MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from
@@ -22,11 +24,27 @@ MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from
 class Step:
     """One kernel of a program on one device."""
 
-    __slots__ = ("call", "ctx", "sources", "site", "outs", "frees")
+    __slots__ = ("call", "ctx", "sources", "site", "outs", "frees", "original")
 
     def __init__(self, call, ctx, sources, site, outs):
         self.call, self.ctx, self.sources, self.site, self.outs = call, ctx, sources, site, outs
         self.frees = ()  # the results (by number) last needed by this step
+        self.original = None  # a fused step's kernels, one by one (runtime/fusion.py)
+
+
+def mark_frees(steps: list) -> None:
+    """Sets each step's ``frees``: the results (by number) that no later step reads."""
+    last = {}
+    for n, step in enumerate(steps):
+        step.frees = ()
+        for kind, k in step.sources:
+            if kind == MADE:
+                last[k] = n
+    frees: dict = {}
+    for ref, n in last.items():
+        frees.setdefault(n, []).append(ref)
+    for n, refs in frees.items():
+        steps[n].frees = tuple(refs)
 
 
 class Program:
@@ -62,7 +80,7 @@ class Program:
         return lowered
 
     def _lower(self, dev):
-        steps, reads, last = [], set(), {}
+        steps, reads = [], set()
         for call, site, _, outs, operands in self.steps:
             if dev not in call.devices:
                 continue
@@ -72,7 +90,6 @@ class Program:
                     sources.append((SCALAR, ref))
                 elif ref >= 0:
                     sources.append((MADE, ref))
-                    last[ref] = len(steps)
                 else:
                     sources.append((OUTSIDE, -1 - ref))
                     reads.add(-1 - ref)
@@ -81,11 +98,7 @@ class Program:
                     reads.add(-1 - ref)
             steps.append(Step(call, call.context(dev) if call.uses_context else None,
                               tuple(sources), site, tuple(outs)))
-        frees: dict = {}
-        for ref, k in last.items():
-            frees.setdefault(k, []).append(ref)
-        for k, refs in frees.items():
-            steps[k].frees = tuple(refs)
+        mark_frees(steps)
         return steps, sorted(reads)
 
     def expand(self, rec) -> list:
@@ -128,27 +141,43 @@ class ProgramRun:
     """One replay of a program on one device, queued on its stream as one task. ``outside``:
     the outside inputs' Blobs by number (None where this device reads none); ``blobs``: the
     survivors' Blobs by result number; ``ids``: the outside inputs' and the results' ids (a
-    failure names its kernel's first result)."""
+    failure names its kernel's first result); ``probe``: a fusion.Probe on the run that makes
+    the program hot, else None; ``hot``: the program's fusion.Hot, whose ``spent`` the run's
+    time is added to, while the program may still become hot (else None)."""
 
-    __slots__ = ("steps", "outside", "blobs", "ids", "scalars", "host")
+    __slots__ = ("steps", "outside", "blobs", "ids", "scalars", "host", "probe", "hot")
     waits = None  # a replayed window waits for nothing (the controller made sure)
 
-    def __init__(self, steps, outside, blobs, ids, scalars, host):
+    def __init__(self, steps, outside, blobs, ids, scalars, host, probe=None, hot=None):
         self.steps, self.outside, self.blobs = steps, outside, blobs
-        self.ids, self.scalars, self.host = ids, scalars, host
+        self.ids, self.scalars, self.host, self.probe = ids, scalars, host, probe
+        self.hot = hot
 
     @property
     def trace_name(self) -> str:
-        return f"replay ({len(self.steps)} kernels)"
+        fused = sum(step.original is not None for step in self.steps)
+        return f"replay ({len(self.steps)} kernels" + (f", {fused} fused)" if fused else ")")
 
     @property
     def site(self) -> int:
         return self.steps[-1].site if self.steps else 0
 
     def __call__(self) -> None:
-        outside, scalars, blobs = self.outside, self.scalars, self.blobs
         values = [None] * len(self.ids[1])
-        for step in self.steps:
+        if self.hot is None:
+            self._run(self.steps, values)
+        else:
+            t0 = time.perf_counter()
+            self._run(self.steps, values)
+            self.hot.spent += time.perf_counter() - t0
+        if self.probe is not None:
+            self.probe.done()
+
+    def _run(self, steps, values) -> None:
+        outside, scalars, blobs, probe = self.outside, self.scalars, self.blobs, self.probe
+        for index, step in enumerate(steps):
+            if probe is not None:
+                probe.capture(index, values, outside)
             args, error = [], None
             for kind, k in step.sources:
                 if kind == MADE:
@@ -165,6 +194,15 @@ class ProgramRun:
                 else:
                     v = scalars[k]
                 args.append(v)
+            if error is not None and step.original is not None:
+                # a fused step's input failed: its kernels one by one, so that only the
+                # results depending on the failure carry it
+                self.probe, saved = None, self.probe
+                self._run(step.original, values)
+                self.probe = saved
+                for ref in step.frees:
+                    values[ref] = None
+                continue
             if error is None:
                 call = step.call
                 try:
