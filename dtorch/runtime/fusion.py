@@ -37,6 +37,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 
 import torch
 
@@ -308,8 +309,6 @@ class Fuser:
                 self._compile(probe)
             except Exception:  # noqa: BLE001 - a failed compile leaves the program unfused
                 if config.debug:
-                    import traceback
-
                     traceback.print_exc()
             sys.setswitchinterval(switch)
             with self._lock:
@@ -334,11 +333,16 @@ class Fuser:
                 continue
             kernels = steps[first:end]
             fn = steps_function(kernels, inputs, outputs, probe.scalars)
-            expected = fn(*args)
-            if any(r.dtype not in EXACT_DTYPES for r in expected):
+            try:
+                expected = fn(*args)
+                if not outputs or any(r.dtype not in EXACT_DTYPES for r in expected):
+                    continue
+                compiled = inductor_compile(make_fx(fn)(*args), list(args))
+                got = compiled(*args)
+            except Exception:  # noqa: BLE001 - this segment stays unfused, the others may not
+                if config.debug:
+                    traceback.print_exc()
                 continue
-            compiled = inductor_compile(make_fx(fn)(*args), list(args))
-            got = compiled(*args)
             if len(got) != len(expected) or not all(map(same_bits, got, expected)):
                 continue
             steps[first:end] = [Fused(_unpacked(compiled, len(outputs)), kernels, inputs,
