@@ -169,7 +169,7 @@ def test_a_failed_input_of_a_fused_stretch_poisons_only_what_depends_on_it(one):
         a, c = loop(a, c, b, d, 1500)
         dtorch.sync(compiles=True)
     assert compiles(warm)
-    bad = d // zero; line = inspect.currentframe().f_lineno  # noqa: E702
+    bad = d // zero; line = inspect.currentframe().f_lineno
     with pytest.raises(RuntimeError, match="floor_divide"):
         dtorch.sync()  # the failure is reported here, once
     with dtorch.profiler.profile() as prof:
