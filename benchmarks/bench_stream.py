@@ -135,7 +135,8 @@ def main():
     for mode in MODES:
         one_device(mode)
     per_two = {fusion: two_devices(fusion) for fusion in (True, False)}
-    os.environ.pop("DTORCH_REPLAY"), os.environ.pop("DTORCH_FUSION")
+    for name in ("DTORCH_REPLAY", "DTORCH_FUSION"):
+        del os.environ[name]
     dtorch.shutdown()
     if "--no-dtensor" in sys.argv:
         return

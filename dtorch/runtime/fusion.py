@@ -238,23 +238,27 @@ class Fuser:
         self._lock = threading.Lock()
         self._thread = None
 
-    def lowering(self, program, dev, scalars):
-        """``(steps, reads, probe, hot)`` for one replay of ``program`` on ``dev``: the fused
-        lowering if one is ready for these scalars; a Probe when this run makes it hot; the
-        Hot whose time the run counts while it may still become hot (else None)."""
-        steps, reads, probe, hot = self._lowering(program, dev, scalars)
+    @staticmethod
+    def scalars_key(scalars) -> bytes:
+        """What tells one replay's scalars from another's, made once per replay: their bytes,
+        since equal values of another type (1 and 1.0, 0.0 and -0.0) may give other results."""
+        return P.pack(scalars) if config.fusion else b""
+
+    def lowering(self, program, dev, scalars, same: bytes):
+        """``(steps, reads, probe, hot)`` for one replay of ``program`` on ``dev`` with these
+        ``scalars`` (``same``: their ``scalars_key``): the fused lowering if one is ready for
+        them; a Probe when this run makes the program hot; the Hot whose time the run counts
+        while it may still become hot (else None)."""
+        steps, reads, probe, hot = self._lowering(program, dev, scalars, same)
         return steps, reads, probe, None if hot.asked or not config.fusion else hot
 
-    def _lowering(self, program, dev, scalars):
+    def _lowering(self, program, dev, scalars, same):
         key = (program.definition.id, dev.index)
         hot = self.hot.get(key)
         if hot is None:
-            hot = self.hot[key] = Hot(*program.on(dev))
+            hot = self.hot[key] = Hot(*program.lower(dev))
         if hot.asked and hot.fused is None or not config.fusion:
             return hot.plain, hot.reads, None, hot
-        # the scalars' bytes: equal values of another type (1 and 1.0, 0.0 and -0.0) may give
-        # other results, so they must not count as the same
-        same = P.pack(scalars)
         if same == hot.scalars:
             if hot.fused is not None:
                 return hot.fused, hot.reads, None, hot

@@ -423,14 +423,14 @@ class Host:
         found now (as a kernel's are when it is queued), then the ones it releases let go."""
         program = self.programs[rec[1]]
         outside_ids, made, scalars = program.bind(rec)
-        runs = []
+        runs, same = [], self.fuser.scalars_key(scalars)
         for dev in program.devices:
-            steps, reads, probe, hot = self.fuser.lowering(program, dev, scalars)
+            steps, reads, probe, hot = self.fuser.lowering(program, dev, scalars, same)
             blobs, outside = dev.blobs, [None] * program.n_outside
             for j in reads:
                 outside[j] = b = blobs.get(outside_ids[j])
                 if b is None:  # not this runtime's tensor: the kernels report it, as usual
-                    for p in [probe] + [run[3] for run in runs]:
+                    for p in [probe] + [p for _, _, _, p, _ in runs]:
                         if p is not None:  # nothing copied: the compiler gives it up
                             p.done()
                     for r in program.expand(rec):

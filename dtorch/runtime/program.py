@@ -2,7 +2,7 @@
 
 The controller defines a window shape once (``P.DefineProgram``) and then sends one short Replay
 record per window of that shape (``controller/replay.py``). A host lowers the program once per
-device (``Program.on``): each step's kernel, context and operand sources resolved, and the step
+device (``Program.lower``): each step's kernel, context and operand sources resolved, and the step
 after which each result is last needed. A replay then costs the host's main thread one blob
 lookup per outside input and one blob per result left alive, and its stream one task
 (``ProgramRun``) that runs the kernels in a loop, results passed in a list: no record decoded,
@@ -70,16 +70,10 @@ class Program:
             for ref, spec in zip(outs, call.out_specs):
                 if ref >= 0:
                     self.survivor_specs[ref] = (spec, call.out_devices)
-        self._lowered: dict = {}
 
-    def on(self, dev):
-        """``(steps, outside inputs read)`` of this program on ``dev``, lowered once."""
-        lowered = self._lowered.get(dev.index)
-        if lowered is None:
-            lowered = self._lowered[dev.index] = self._lower(dev)
-        return lowered
-
-    def _lower(self, dev):
+    def lower(self, dev):
+        """``(steps, outside inputs read)`` of this program on ``dev`` (the host keeps them:
+        ``fusion.Hot``)."""
         steps, reads = [], set()
         for call, site, _, outs, operands in self.steps:
             if dev not in call.devices:
@@ -165,16 +159,16 @@ class ProgramRun:
     def __call__(self) -> None:
         values = [None] * len(self.ids[1])
         if self.hot is None:
-            self._run(self.steps, values)
+            self._run(self.steps, values, self.probe)
         else:
             t0 = time.perf_counter()
-            self._run(self.steps, values)
+            self._run(self.steps, values, self.probe)
             self.hot.spent += time.perf_counter() - t0
         if self.probe is not None:
             self.probe.done()
 
-    def _run(self, steps, values) -> None:
-        outside, scalars, blobs, probe = self.outside, self.scalars, self.blobs, self.probe
+    def _run(self, steps, values, probe) -> None:
+        outside, scalars, blobs = self.outside, self.scalars, self.blobs
         for index, step in enumerate(steps):
             if probe is not None:
                 probe.capture(index, values, outside)
@@ -197,9 +191,7 @@ class ProgramRun:
             if error is not None and step.original is not None:
                 # a fused step's input failed: its kernels one by one, so that only the
                 # results depending on the failure carry it
-                self.probe, saved = None, self.probe
-                self._run(step.original, values)
-                self.probe = saved
+                self._run(step.original, values, None)
                 for ref in step.frees:
                     values[ref] = None
                 continue
