@@ -114,13 +114,13 @@ class RecordingGroup:
     def send(self, tensors, dst_rank, tag):
         dst = self.members[dst_rank]
         self.world.calls.append(("send", self.me, dst))
-        self.world.box(self.me, dst).put(tensors[0].clone())
+        self.world.box(self.me, dst, tag).put(tensors[0].clone())
         return Done()
 
     def recv(self, tensors, src_rank, tag):
         src = self.members[src_rank]
         self.world.calls.append(("recv", src, self.me))
-        return Receive(self.world.box(src, self.me), tensors[0])
+        return Receive(self.world.box(src, self.me, tag), tensors[0])
 
     def __getattr__(self, name):  # broadcast, allgather, ...: a move must not use them
         raise AssertionError(f"a move between same-shape meshes called {name}")
@@ -146,9 +146,9 @@ class World:
 
         self.calls, self.boxes, self.lock, self.queue = [], {}, threading.Lock(), queue.Queue
 
-    def box(self, src, dst):
+    def box(self, src, dst, tag):
         with self.lock:
-            return self.boxes.setdefault((src, dst), self.queue())
+            return self.boxes.setdefault((src, dst, tag), self.queue())
 
 
 class FakeDevice:
@@ -161,13 +161,16 @@ class FakeDevice:
         self.groups.append(members)
         return RecordingGroup(self.world, members, self.index)
 
+    cpu_group = group  # a CPU device's gloo groups serve both
+
 
 @pytest.mark.parametrize("dst_devices", [[4, 5, 6, 7], [1, 2, 3, 0], [2, 3, 4, 5]],
                          ids=["disjoint", "rotated", "shifted"])
 @pytest.mark.parametrize("placements", [[S0, S1], [S1, R], [P, S0]], ids=str)
-def test_the_move_kernel_only_sends_and_receives(dst_devices, placements):
-    """Every device of both meshes runs ``collectives.move`` at once (threads), as the hosts
-    do; each must get its block, and only through send/recv on pair groups."""
+def test_the_hop_kernel_only_sends_and_receives(dst_devices, placements):
+    """Every device of both meshes runs ``collectives.hop`` at once (threads), as the hosts
+    do; each must get its block, and only through send/recv on pair groups. The failure each
+    sender reports (here the second one's) reaches its own receiver only."""
     src_mesh = MeshInfo("cpu", (2, 2), [0, 1, 2, 3])
     dst_mesh = MeshInfo("cpu", (2, 2), dst_devices)
     src = intern_spec((5, 3), "float32", src_mesh, placements)
@@ -175,12 +178,13 @@ def test_the_move_kernel_only_sends_and_receives(dst_devices, placements):
     world = World()
     blocks = {d: torch.randn(src.local_region(c)[0]) for d, c in
               zip(src_mesh.devices, [(0, 0), (0, 1), (1, 0), (1, 1)])}
+    failures = {src_mesh.devices[1]: 42}
     results, errors = {}, []
 
     def run(d):
         try:
             ctx = KernelContext(FakeDevice(world, d), [src], [dst])
-            results[d] = collectives.move(ctx, blocks.get(d), 0)
+            results[d] = collectives.hop(ctx, blocks.get(d), failures.get(d, 0))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -192,9 +196,10 @@ def test_the_move_kernel_only_sends_and_receives(dst_devices, placements):
         t.join(timeout=30)
     assert not errors, errors
     for k, d in enumerate(dst_devices):  # device k of the target holds device k's block
-        assert torch.equal(results[d], blocks[src_mesh.devices[k]])
+        assert torch.equal(results[d][0], blocks[src_mesh.devices[k]])
+        assert results[d][1] == (42 if k == 1 else 0)
     for d in set(src_mesh.devices) - set(dst_devices):
-        assert results[d] == ()
+        assert results[d] == ((), 0)
     kinds = {kind for kind, _, _ in world.calls}
     moved = {(a, b) for kind, a, b in world.calls if a != b}
     assert kinds <= {"send", "recv"}

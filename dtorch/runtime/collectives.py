@@ -191,12 +191,9 @@ def pad_partial(ctx, x, mesh_dim):
 
 
 def move(ctx, x, mesh_dim):
-    """Between meshes. Same shape (a pipeline stage hop): point-to-point, the device at
-    coordinate c of the source sends its block to the device at c of the target. Otherwise
-    (Replicate on both): source device 0 broadcasts the whole value to the target mesh."""
+    """Between meshes of different shapes (Replicate on both): source device 0 broadcasts the
+    whole value to the target mesh. (Between meshes of one shape, the host runs ``hop``.)"""
     src, dst = ctx.in_specs[0], ctx.out_specs[0]
-    if src.mesh.shape == dst.mesh.shape:
-        return _move_p2p(ctx, x, src, dst)
     me, out = ctx.device.index, None
     root, receivers = src.mesh.devices[0], dst.mesh.devices
     members = tuple(sorted({root, *receivers}))
@@ -217,12 +214,32 @@ def move(ctx, x, mesh_dim):
     return () if out is None else out  # a device only of the source mesh keeps no block
 
 
-def _move_p2p(ctx, x, src, dst):
-    """One send and/or one receive per device, on the two-member group of the pair. A device of
-    both meshes at different coordinates (a shifted mesh) both sends and receives: both are
-    posted before either is waited for, so no cycle of devices can deadlock. The pair groups a
-    device needs are created in sorted order, one global order, so their rendezvous cannot
-    deadlock either."""
+def is_hop(src, dst) -> bool:
+    """A move between meshes of one shape (a pipeline stage hop) runs as ``hop``."""
+    return src.mesh.shape == dst.mesh.shape
+
+
+_BLOCK, _FAILURE = 0, 1  # the tags of a hop's two messages
+
+
+def hop(ctx, x, failure: int = 0):
+    """A move between meshes of one shape, point-to-point: the device at coordinate c of the
+    source sends its block to the device at c of the target, on the two-member group of the
+    pair. Returns ``(block, failure of its sender)``: ``()`` for a device only of the source
+    mesh, which keeps no block; a failure is the site of the sender's failed input plus one,
+    or 0 (``failure`` is this device's, sent along).
+
+    The failure travels in-band, a one-element message ahead of the block (on the CPU group of
+    the pair, so that reading it never waits for a GPU), so a hop needs no agreement among the
+    devices of both meshes (``Host._run_collective``'s all-reduce, a round trip through every
+    member): a received block depends on its sender's input alone, and the receiver learns of
+    it in the one direction the data goes.
+
+    A device of both meshes at different coordinates (a shifted mesh) both sends and receives:
+    everything is posted before anything is waited for, so no cycle of devices can deadlock.
+    The pair groups a device needs are created in sorted order, one global order, so their
+    rendezvous cannot deadlock either."""
+    src, dst = ctx.in_specs[0], ctx.out_specs[0]
     me = ctx.device.index
     send_to = recv_from = None
     if me in src.mesh.devices:
@@ -231,24 +248,26 @@ def _move_p2p(ctx, x, src, dst):
         coord = coordinate_of(dst.mesh, me)
         recv_from = device_at(src.mesh, coord)
     if send_to == me:  # the same device at the same coordinate: a local copy
-        return x.clone()
+        return x.clone(), failure
     groups = {}
     for peer in sorted(p for p in (send_to, recv_from) if p is not None):
         pair = (me, peer) if me < peer else (peer, me)
-        groups[peer] = (ctx.device.group(pair), pair.index(peer))
-    works, out = [], None
+        groups[peer] = (ctx.device.group(pair), ctx.device.cpu_group(pair), pair.index(peer))
+    works, out, sender = [], (), None
     if recv_from is not None:
         out = torch.empty(dst.local_region(coord)[0], dtype=getattr(torch, dst.dtype),
                           device=ctx.device.torch_device)
-        pg, rank = groups[recv_from]
-        works.append(pg.recv([_wire(out)], rank, 0))
+        sender = torch.zeros(1, dtype=torch.int64)
+        pg, cpu_pg, rank = groups[recv_from]
+        works += [cpu_pg.recv([sender], rank, _FAILURE), pg.recv([_wire(out)], rank, _BLOCK)]
     if send_to is not None:
-        pg, rank = groups[send_to]
-        block = x.contiguous()  # held until the send completes
-        works.append(pg.send([_wire(block)], rank, 0))
+        pg, cpu_pg, rank = groups[send_to]
+        flag = torch.tensor([failure], dtype=torch.int64)
+        block = x.contiguous()  # both held until their sends complete
+        works += [cpu_pg.send([flag], rank, _FAILURE), pg.send([_wire(block)], rank, _BLOCK)]
     for w in works:
         w.wait()
-    return () if out is None else out  # a device only of the source mesh keeps no block
+    return out, 0 if sender is None else int(sender)
 
 
 def copy(ctx, x, mesh_dim):

@@ -35,7 +35,7 @@ from .. import config, protocol as P
 from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..spec import MeshInfo, coordinate_of, span_devices
-from .collectives import STEP_KERNELS
+from .collectives import STEP_KERNELS, hop, is_hop
 from . import cpu_memory
 from .context import Groups, KernelContext
 from .fusion import Fuser
@@ -82,7 +82,7 @@ class HostCall:
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
                  "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
-                 "comm_dims", "receive_only", "saves", "reads_saved")
+                 "comm_dims", "receive_only", "saves", "reads_saved", "hop")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -124,9 +124,11 @@ class HostCall:
         self.out_devices = host.local_devices(self.out_specs[0].mesh) if self.out_specs else []
         self.devices = list({d.index: d for m in meshes for d in host.local_devices(m)}.values())
         # a move's devices outside the source mesh read nothing: see Host.on_chain
+        is_move = name == P.STEP_PREFIX + "move"
         self.receive_only = frozenset(
             set(self.out_specs[0].mesh.devices) - set(self.in_specs[0].mesh.devices)
-            if name == P.STEP_PREFIX + "move" else ())
+            if is_move else ())
+        self.hop = is_move and is_hop(self.in_specs[0], self.out_specs[0])
         self.contexts: dict = {}
 
     def context(self, device: Device):
@@ -205,8 +207,11 @@ class KernelRun:
         input's failure plus one (0: none), so all of them poison their outputs together; a
         member that learns of a peer's failure only knows its site, and its outputs carry
         ``(site, None, None)``, which the client reads as "poisoned by the failure there".
-        The flag travels on another of gloo's threads while the collective runs."""
+        The flag travels on another of gloo's threads while the collective runs. (A hop
+        between meshes of one shape needs none of this: ``_run_hop``.)"""
         call, ctx, inputs, site = self.steps[0]
+        if call.hop:
+            return self._run_hop(call, ctx, inputs[0], site)
         error = first_failure(inputs) or (getattr(inputs[0], "error", None) if call.reads_saved
                                           else None)  # a VJP of a forward that did not run
         # a VJP's collectives are its graph's: a device whose forward failed has none, so the
@@ -239,6 +244,19 @@ class KernelRun:
         if int(flag):
             return self._fail((int(flag) - 1, None, None), report=False)
         self._store(result)
+
+    def _run_hop(self, call, ctx, block, site) -> None:
+        """A pipeline hop (``collectives.hop``): each received block depends on its sender's
+        input alone, and the sender's failure travels with it, so the receiver poisons its
+        block exactly when that input failed, with no agreement among the other devices."""
+        error = block.error if type(block) is Blob else None
+        try:
+            received, sender = hop(ctx, stand_in(ctx, 0, block), error[0] + 1 if error else 0)
+        except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
+            return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
+        if sender:
+            return self._fail((sender - 1, None, None), report=False)
+        self._store(received)
 
     def _fail(self, error, report: bool) -> None:
         for blob in self.outputs:
