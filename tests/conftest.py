@@ -1,6 +1,8 @@
 """Test set-up: one dtorch runtime serves the whole session (it starts on first use and stops
 at exit); tests that kill processes run their program in a subprocess of their own."""
 
+import os
+
 import pytest
 import torch
 
@@ -33,6 +35,17 @@ def _no_pending_errors():
     """Every test starts and ends with no unreported kernel error."""
     yield
     dtorch.sync()
+
+
+@pytest.fixture
+def fusion_off():
+    """A runtime whose hosts never compile (the next operator starts it; the one after the test
+    is the usual one again)."""
+    dtorch.shutdown()
+    os.environ["DTORCH_FUSION"] = "0"  # read by the host processes
+    yield
+    dtorch.shutdown()
+    del os.environ["DTORCH_FUSION"]
 
 
 @pytest.fixture

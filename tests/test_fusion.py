@@ -79,16 +79,6 @@ def hot_soon():
     del os.environ["DTORCH_FUSION_AFTER"], os.environ["DTORCH_FUSION_AFTER_S"]
 
 
-@pytest.fixture
-def fusion_off():
-    """A runtime whose hosts never compile (the next operator starts it)."""
-    dtorch.shutdown()
-    os.environ["DTORCH_FUSION"] = "0"  # read by the host processes
-    yield
-    dtorch.shutdown()
-    del os.environ["DTORCH_FUSION"]
-
-
 def body(a, b, lib):
     """A loop body of exact kernels: tensor-scalar and tensor-tensor, comparisons, a choice and
     a rounding."""
