@@ -13,6 +13,7 @@ from dtorch.autograd import tape
 from dtorch.client import dispatch
 from dtorch.ops.registry import REGISTRY, OpDef
 from dtorch.protocol import COMM
+from helpers import distribute
 
 F = dtorch.nn.functional
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -153,6 +154,89 @@ def test_gradient_through_a_coalesced_all_reduce(grid):
         torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def mesh3():
+    return dtorch.DeviceMesh("cpu", [0, 1, 2])
+
+
+# mesh -> [(shape, placements of the Partial operand, tensor dim it is scattered along)]
+SCATTERED = {
+    "1-D, uneven": [((7, 5), [P_], 0), ((4, 6), [P_], 1), ((5,), [P_], 0), ((2, 1), [P_], 0)],
+    "2-D, tp kept": [((4, 6), [P_, S0], 1), ((5, 3), [P_, R], 0), ((3,), [P_, R], 0)],
+}
+
+
+@pytest.mark.parametrize("case", list(SCATTERED))
+def test_a_coalesced_reduce_scatter_and_all_gather_equal_torch(case, mesh3, grid):
+    """``reduce_scatter_coalesced``: genuine Partial contributions summed and sharded, each
+    tensor along its own dim, chunks as ``Shard`` cuts them (a chunk of 3 devices' 2 rows is
+    empty); ``all_gather_coalesced`` makes them whole again. Both keep the values, so the
+    gradients through both come back as torch's."""
+    from dtorch.ops.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+
+    mesh = mesh3 if case.startswith("1-D") else grid
+    rows = SCATTERED[case]
+    values = [g(*shape, seed=k) for k, (shape, _, _) in enumerate(rows)]
+    xs = [distribute(v, mesh, p, seed=k) for k, (v, (_, p, _)) in enumerate(zip(values, rows))]
+    dims = [d for _, _, d in rows]
+    parts = reduce_scatter_coalesced(xs, 0, dims)
+    wholes = all_gather_coalesced(parts, 0)
+    for part, whole, v, (_, p, d) in zip(parts, wholes, values, rows):
+        assert part.placements == [Shard(d), *p[1:]] and whole.placements == [R, *p[1:]]
+        torch.testing.assert_close(part.to_torch(), v, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(whole.to_torch(), v, atol=1e-5, rtol=1e-5)
+    weights = [g(*shape, seed=10 + k) for k, (shape, _, _) in enumerate(rows)]
+    ts, ds = leaves(values, mesh, [p for _, p, _ in rows])
+    sum((t * w).sin().sum() for t, w in zip(ts, weights)).backward()
+    wholes = all_gather_coalesced(reduce_scatter_coalesced(ds, 0, dims), 0)
+    sum((o * dtorch.from_torch(w, device_mesh=mesh, placements=o.placements)).sin().sum()
+        for o, w in zip(wholes, weights)).backward()
+    for t, d in zip(ts, ds):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_coalesced_collectives_refuse_what_they_cannot_join(grid):
+    from dtorch.ops.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+
+    a = dtorch.zeros((4, 6), device_mesh=grid, placements=[P_, S0])
+    b = dtorch.zeros((4, 6), device_mesh=grid, placements=[R, S0])
+    with pytest.raises(ValueError, match="Partial\\(sum\\) on mesh dim 0; tensor 1"):
+        reduce_scatter_coalesced([a, b], 0, (1, 1))
+    with pytest.raises(ValueError, match="on mesh dim 0 along dim 0: it must be a dim no other"):
+        reduce_scatter_coalesced([a], 0, (0,))  # tp shards dim 0 already
+    with pytest.raises(TypeError, match="one dtype"):
+        reduce_scatter_coalesced([a, a.double()], 0, (1, 1))
+    c = dtorch.zeros((4, 6), device_mesh=grid, placements=[S1, S0])
+    with pytest.raises(ValueError, match="Shard on mesh dim 0; tensor 1"):
+        all_gather_coalesced([c, b], 0)
+    with pytest.raises(ValueError, match="along dim 0: it must be a dim no other"):
+        all_gather_coalesced([dtorch.zeros((4, 6), device_mesh=grid, placements=[S0, S0])], 0)
+
+
+def test_zero2_gradients_share_one_reduce_scatter(grid, monkeypatch):
+    """Under ZeRO-2 the gradients of data-parallel weights are reduce-scattered into their dp
+    shards; laid out alike, they go in one bucket: one reduce-scatter of the devices' blocks
+    joined (``reduce_scatter_coalesced``), torch's values."""
+    ws, x = [g(8, 6, seed=k) for k in range(3)], g(10, 8, seed=5)
+    ts, ds = leaves(ws, grid, [[R, S1]] * 3)
+    for d in ds:
+        d.grad_placements = [S0, S1]  # what AdamW(zero_stage=2) sets: dim 0 is free on dp
+    sum(torch.tanh(x @ w).pow(2).mean() for w in ts).backward()
+    dx = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
+    loss = sum(F.tanh(dx @ w).pow(2).mean() for w in ds)
+    moves, bind = [], dispatch.bind_redistribute
+    monkeypatch.setattr(dispatch, "bind_redistribute",
+                        lambda s, src, dst: moves.append(src.shape) or bind(s, src, dst))
+    with dtorch.profiler.profile() as prof:
+        loss.backward()
+        dtorch.sync()
+    names = [e["name"] for e in prof.kernels() if e["pid"] == 0]
+    assert names.count("reduce_scatter_coalesced") == 1 and (8, 6) not in moves
+    for t, d in zip(ts, ds):
+        assert d.grad.placements == [S0, S1]
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_duality_of_layouts():
     assert tape.dual(Shard(1), "x") == Shard(1)
     assert tape.dual(R, "x") == Partial("sum")
@@ -262,8 +346,8 @@ def test_every_registry_op_has_a_gradient_or_names_why_not():
             by_vjp.append(name)
     assert {"add", "matmul", "softmax", "scaled_dot_product_attention", "embedding",
             "cross_entropy", "rms_norm", "vocab_parallel_embedding"} <= set(by_vjp)
-    assert by_collectives == ["_context_parallel_attention", "all_reduce_coalesced",
-                              "moe_experts"]
+    assert by_collectives == ["_context_parallel_attention", "all_gather_coalesced",
+                              "all_reduce_coalesced", "moe_experts", "reduce_scatter_coalesced"]
     assert {"from_torch", "zeros_like"} <= set(composite)
     assert len(by_vjp) > 150 and not refused
     print(f"\nVJP: {len(by_vjp)} ops; through collectives: {by_collectives}; composite: "

@@ -15,6 +15,7 @@ from dtorch import Partial, Replicate, Shard
 from dtorch.client import dispatch
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.nn import fully_shard
+from dtorch.ops import coalesced
 from dtorch.redistribute import COMM_STEPS, plan_redistribute
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -50,9 +51,9 @@ def same_objects(a, b) -> bool:
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_mlp_gradients_land_sharded_as_torch(layout, monkeypatch):
     """The Parameter objects stay (re-laid), and the module holds them again after a forward;
-    each gradient reaches ``.grad`` laid out as its parameter through one reduce-scatter on dp
-    (the dual of its all-gather), with torch's values; AdamW with zero_stage=3 then trains as
-    torch's, its state laid out as the parameters."""
+    each gradient reaches ``.grad`` laid out as its parameter through a reduce-scatter on dp
+    (the dual of its all-gather; the sharded ones joined in one bucket), with torch's values;
+    AdamW with zero_stage=3 then trains as torch's, its state laid out as the parameters."""
     sizes, names, expected = MESHES[layout]
     mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=names)
     ref, model = T.TorchMLP(), T.MLP(mesh)
@@ -68,6 +69,9 @@ def test_mlp_gradients_land_sharded_as_torch(layout, monkeypatch):
     moves, bind = [], dispatch.bind_redistribute
     monkeypatch.setattr(dispatch, "bind_redistribute",
                         lambda s, src, dst: moves.append((src, dst)) or bind(s, src, dst))
+    bucketed, scatter = [], coalesced.reduce_scatter_coalesced
+    monkeypatch.setattr(coalesced, "reduce_scatter_coalesced",
+                        lambda ts, *a: bucketed.append(len(ts)) or scatter(ts, *a))
     loss.backward()
     monkeypatch.undo()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
@@ -77,7 +81,8 @@ def test_mlp_gradients_land_sharded_as_torch(layout, monkeypatch):
              for step in plan_redistribute(src.placements, dst.placements)
              if step.mesh_dim == 0 and step.kind in COMM_STEPS]
     sharded = sum(p.placements[0] != R for p in params)
-    assert on_dp.count("reduce_scatter") == sharded
+    # dp2·tp2's Partial bias is the one reduced alone: its .grad is laid out as it (Partial)
+    assert len(bucketed) == 1 and sum(bucketed) + on_dp.count("reduce_scatter") == sharded
     assert on_dp.count("all_reduce") == len(params) - sharded  # dp2·tp2's Replicate bias
 
     ref.zero_grad()

@@ -290,6 +290,29 @@ def test_zero_shards_state_and_gradients_on_dp(stage, grid):
         dtorch.optim.SGD(model.parameters(), lr=0.1, zero_stage=4)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_step_gathers_the_updated_chunks_in_one_collective(stage, grid):
+    """Each device updates its chunk of every parameter; the chunks of the weights return to
+    them through one all-gather (``all_gather_coalesced``), not one each (the column-parallel
+    bias has no dim tp leaves free, so it is updated whole; the row-parallel bias, Partial on
+    tp, goes back alone: its change is more than an all-gather); ZeRO-2's gradients reach their
+    shards through one reduce-scatter. Values as torch's."""
+    ref, model = pair(grid)
+    (x, y), = batches(1, seed=7)
+    opt = dtorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, zero_stage=stage)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9).step()
+    x, y = (dtorch.from_torch(t, device_mesh=grid, placements=[S0, R]) for t in (x, y))
+    with dtorch.profiler.profile() as prof:
+        dtorch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        dtorch.sync()
+    names = [e["name"] for e in prof.kernels() if e["pid"] == 0 and e["cat"] == "comm"]
+    assert names.count("all_gather_coalesced") == 1 and names.count("step:all_gather") == 1, names
+    assert names.count("reduce_scatter_coalesced") == (stage == 2), names
+    assert_same_params(model, ref)
+
+
 def test_master_weights_keep_bfloat16_parameters_in_float32(grid):
     """bfloat16 parameters, float32 master copies and moments: torch's AdamW on a float32
     master fed the bfloat16 gradients, then rounded into the parameter each step."""

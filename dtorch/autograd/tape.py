@@ -37,6 +37,7 @@ import itertools
 import torch
 
 from ..client import session
+from ..ops.coalesced import Buckets, coalescing
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
 from ..protocol import COMM, RECORD, VJP_PREFIX
@@ -218,9 +219,11 @@ def _vjp(node, grads, retain: bool = False) -> list:
     """The operands' gradients (None where not needed) from the results' (None: zero)."""
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads
-        source = node.operands[0]._spec
-        return [_layout(_layout(g, dual_spec(node.out_specs[0], "redistribute")),
-                        dual_spec(source, "redistribute"))]
+        source = node.operands[0]
+        g = _layout(g, dual_spec(node.out_specs[0], "redistribute"))
+        if source.is_leaf and coalescing(g._spec, _grad_spec(source)) is not None:
+            return [g]  # (ZeRO-3's gathered parameters) a bucket reduces it (``_land``)
+        return [_layout(g, dual_spec(source._spec, "redistribute"))]
     from ..client import dispatch
     name = node.op.name
     comm = node.op.flags & COMM
@@ -270,7 +273,7 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
         for x, need in zip(node.operands or (), node.needs):
             if need and x.is_leaf:
                 readers[x._id] = readers.get(x._id, 0) + 1
-    found, buckets = {}, Buckets()
+    found, buckets = {}, Buckets(_accumulate)
     with torch.no_grad():
         for node in nodes:
             if node.operands is None:
@@ -292,79 +295,26 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
                 if need and x.is_leaf:
                     readers[x._id] -= 1
                     if readers[x._id] == 0 and wanted is None and x._id in leaves:
-                        buckets.land(*leaves.pop(x._id))
+                        _land(buckets, *leaves.pop(x._id))
             if not retain_graph:
                 node.operands = None
         if wanted is not None:
             found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
             return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
         for leaf, g in leaves.values():  # roots that are leaves themselves
-            buckets.land(leaf, g)
+            _land(buckets, leaf, g)
         buckets.flush()
     return {}
 
 
-BUCKET_BYTES = 4 << 20
-
-
-class Buckets:
-    """Final leaf gradients on their way into ``.grad``. Those whose layout change is only
-    all-reduces (Partial to Replicate on some mesh dims, every other placement kept: a
-    data-parallel weight's gradient, tensor-parallel ones too) wait in a bucket per (mesh,
-    dtype, layouts) and go as one all-reduce of their blocks joined
-    (``ops/coalesced.all_reduce_coalesced``) once the bucket holds ``BUCKET_BYTES`` or the walk
-    ends: small gradients then pay one collective's latency, not one each. Each bucket is issued
-    as soon as it fills, so it runs on the communication stream while the rest of the backward
-    computes. The others (a reduce-scatter into ZeRO-2's shards, a pipeline hop) land at once."""
-
-    def __init__(self):
-        self.open: dict = {}  # key -> [(leaf, g)], bytes
-
-    def land(self, leaf, g) -> None:
-        if not leaf.requires_grad:
-            return
-        target = _grad_spec(leaf)
-        if _reduced_dims(g._spec, target) is None:
-            return _accumulate(leaf, _layout(g, target))
-        key = (target.mesh, target.dtype, g._spec.placements, target.placements)
-        entries, size = self.open.get(key, ([], 0))
-        entries.append((leaf, g))
-        size += g.numel() * g.dtype.itemsize
-        self.open[key] = (entries, size)
-        if size >= BUCKET_BYTES:
-            self._reduce(self.open.pop(key)[0])
-
-    def flush(self) -> None:
-        for entries, _ in self.open.values():
-            self._reduce(entries)
-        self.open = {}
-
-    @staticmethod
-    def _reduce(entries) -> None:
-        from ..ops.coalesced import all_reduce_coalesced
-
-        if len(entries) == 1:
-            leaf, g = entries[0]
-            return _accumulate(leaf, _layout(g, _grad_spec(leaf)))
-        dims = _reduced_dims(entries[0][1]._spec, _grad_spec(entries[0][0]))
-        reduced = all_reduce_coalesced([g for _, g in entries], dims)
-        for (leaf, _), g in zip(entries, reduced):
-            _accumulate(leaf, g)
-
-
-def _reduced_dims(src, dst):
-    """The mesh dims on which ``src`` becomes ``dst`` by all-reduces alone (Partial(sum) to
-    Replicate, every other placement the same), on one mesh; None if it does not."""
-    if src.mesh != dst.mesh or src.placements == dst.placements:
-        return None
-    dims = []
-    for i, (s, d) in enumerate(zip(src.placements, dst.placements)):
-        if s == d:
-            continue
-        if not (d.is_replicate() and s.is_partial() and s.reduce_op == "sum"):
-            return None
-        dims.append(i)
-    return tuple(dims)
+def _land(buckets, leaf, g) -> None:
+    """A leaf's final gradient, on its way into ``.grad`` laid out as ``_grad_spec``: the
+    reductions that coalesce (a data-parallel weight's all-reduce, ZeRO-2/3's reduce-scatter)
+    wait in a bucket (``ops/coalesced.Buckets``), so small gradients pay one collective's
+    latency, not one each, and a full bucket's runs on the communication stream while the rest
+    of the backward computes."""
+    if leaf.requires_grad:
+        buckets.add(leaf, g, _grad_spec(leaf))
 
 
 def _accumulate(leaf, g) -> None:

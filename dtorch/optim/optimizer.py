@@ -7,6 +7,7 @@ import collections
 import torch
 
 from ..nn.fsdp import dp_sharded
+from ..ops.coalesced import Buckets
 from ..ops.registry import issue
 from ..placement import Replicate
 from ..tensor import Tensor
@@ -103,24 +104,31 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        back = Buckets(lambda p, new: p.copy_(new))
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self.update_one(p, group, self.state[p])
+                    new = self.update_one(p, group, self.state[p])
+                    if new is not None:
+                        back.add(p, new, p._spec)
+        back.flush()
         return loss
 
-    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
-        """Issues the update of one parameter (its group's options, its state)."""
+    def update_one(self, p: Tensor, group: dict, state: dict):
+        """Issues the update of one parameter (its group's options, its state); returns what
+        ``_apply`` does."""
         raise NotImplementedError
 
-    def _apply(self, p: Tensor, state: dict, update) -> None:
+    def _apply(self, p: Tensor, state: dict, update):
         """Runs ``update(param, grad)``, which writes ``param`` and the state in place, in
-        ``p``'s update layout (``update_layout``): on ``p`` itself when that is its layout;
-        else on a copy laid out so, copied back into ``p``: under ZeRO each device updates its
-        chunk (a local slice of the parameter and gradient) and the chunks are all-gathered; a
-        Partial parameter is updated whole and split back. With master weights, a
-        low-precision ``p`` is updated through its float32 copy ``state["master"]`` (the
-        gradient cast up), then rounded into ``p``."""
+        ``p``'s update layout (``update_layout``): on ``p`` itself when that is its layout
+        (returns None); else on a copy laid out so, returned for ``step`` to copy back into
+        ``p``: under ZeRO each device updates its chunk (a local slice of the parameter and
+        gradient) and the chunks are all-gathered, those of many parameters in one collective
+        (``ops/coalesced.Buckets``); a Partial parameter is updated whole and split back. With
+        master weights, a low-precision ``p`` is updated through its float32 copy
+        ``state["master"]`` (the gradient cast up), then rounded: the copy returned is in
+        ``p``'s dtype."""
         layout = self.update_layout(p)
 
         def laid_out(t):
@@ -134,10 +142,8 @@ class Optimizer(torch.optim.Optimizer):
         else:
             new = update(laid_out(p), grad)
             if new is p:
-                return
-        if list(new.placements) != list(p.placements):
-            new = new.redistribute(placements=p.placements)
-        p.copy_(new)
+                return None
+        return new
 
     def _keeps_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
@@ -197,7 +203,7 @@ class SGD(Optimizer):
                                       weight_decay=weight_decay, nesterov=nesterov,
                                       maximize=maximize))
 
-    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
+    def update_one(self, p: Tensor, group: dict, state: dict):
         first = "momentum_buffer" not in state
         buf = state["momentum_buffer"] if not first else (
             self._state_like(p) if group["momentum"] else None)
@@ -209,9 +215,10 @@ class SGD(Optimizer):
                          (group["momentum"], group["dampening"], group["weight_decay"],
                           group["nesterov"], group["maximize"], first))
 
-        self._apply(p, state, update)
+        new = self._apply(p, state, update)
         if group["momentum"] != 0:
             state["momentum_buffer"] = buf
+        return new
 
 
 class Adam(Optimizer):
@@ -236,7 +243,7 @@ class Adam(Optimizer):
                                       weight_decay=weight_decay, amsgrad=amsgrad,
                                       maximize=maximize))
 
-    def update_one(self, p: Tensor, group: dict, state: dict) -> None:
+    def update_one(self, p: Tensor, group: dict, state: dict):
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = self._state_like(p)
@@ -250,7 +257,7 @@ class Adam(Optimizer):
                          (beta1, beta2, group["eps"], group["weight_decay"],
                           group["maximize"], self.decoupled))
 
-        self._apply(p, state, update)
+        return self._apply(p, state, update)
 
 
 class AdamW(Adam):
