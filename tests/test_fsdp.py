@@ -103,6 +103,28 @@ def test_mlp_gradients_land_sharded_as_torch(layout, monkeypatch):
     assert opt.state[up]["exp_avg"].placements == up.placements
 
 
+def test_a_layer_is_gathered_in_one_collective_forward_and_backward():
+    """Each group's parameters (a layer's weight and bias) are gathered by one all-gather in the
+    forward and one again in the backward, and their gradients reduce-scattered by one (the
+    layers' together: the bucket is not full): FSDP2's flat all-gathers, not one collective per
+    parameter. Values as torch's."""
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"])
+    ref, model = T.TorchMLP(), T.MLP(mesh)
+    model.load_state_dict(ref.state_dict())
+    shard(model)
+    (x, y), = T.batches(1, seed=2)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    with dtorch.profiler.profile() as prof:
+        loss = dtorch.nn.functional.mse_loss(model(placed(mesh, x)[0]), placed(mesh, y)[0])
+        loss.backward()
+        dtorch.sync()
+    comm = [e["name"] for e in prof.kernels() if e["pid"] == 0 and e["cat"] == "comm"]
+    assert comm.count("all_gather_coalesced") == 4 and "step:all_gather" not in comm, comm
+    assert comm.count("reduce_scatter_coalesced") == 1 and "step:reduce_scatter" not in comm
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_the_backward_gathers_the_weights_again():
     """The hosts' saved graphs keep no gathered weight (``tape.gathered``): the backward gathers
     it again from the shard, as torch's FSDP does. Shown by changing the shards between the

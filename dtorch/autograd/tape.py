@@ -97,12 +97,14 @@ class Node:
     autograd graph (an operator's; a redistribute keeps none)."""
 
     __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs", "key",
-                 "regather", "__weakref__")
+                 "gathered", "__weakref__")
 
     def __init__(self, op, call_id, operands, needs, outs, key=None):
         self.order = next(_order)
         self.op, self.call_id, self.key = op, call_id, key
-        self.regather = False  # a redistribute whose result the hosts keep no copy of (gathered)
+        # a redistribute whose result the hosts keep no copy of (``gathered``): its Gather and
+        # the result's index there
+        self.gathered = None
         # a leaf is kept (its .grad is set); any other tensor only as a reference, so that its
         # blocks go when the program drops it (the hosts' graph keeps what the backward needs)
         self.operands = tuple(Ref(o) if isinstance(o, Tensor) and not o.is_leaf else o
@@ -170,7 +172,7 @@ def gathered_bits(operands) -> int:
 
 def _is_gathered(o) -> bool:
     node = getattr(o, "_node", None)
-    return node is not None and node.regather
+    return node is not None and node.gathered is not None
 
 
 def record(bound, operands, outs, needs, key) -> None:
@@ -182,15 +184,56 @@ def record(bound, operands, outs, needs, key) -> None:
             t._node = node
 
 
-def gathered(p: Tensor, placements) -> Tensor:
-    """``p`` redistributed to ``placements`` for the computation at hand (ZeRO-3: a sharded
-    parameter gathered whole before a layer runs). The result's blocks are not kept by the
-    hosts' saved graphs: the backward gathers them again from ``p`` just before the VJPs that
-    read them, so a gathered parameter lives only while a layer's forward or backward runs."""
-    full = p.redistribute(placements=list(placements))
-    if getattr(full, "_node", None) is not None:  # recorded: some tensor requires grad
-        full._node.regather = True
-    return full
+class Gather:
+    """Parameters gathered together (``gathered``: a ZeRO-3 layer's), and the layouts they were
+    gathered to; ``again``: gathered once more for the backward, while its VJPs run."""
+
+    __slots__ = ("params", "specs", "again")
+
+    def __init__(self, params, specs):
+        self.params, self.specs, self.again = params, specs, None
+
+    def gather(self) -> list:
+        """The parameters laid out as ``specs``: those that an all-gather on one mesh dim makes
+        whole go in one collective per bucket (``ops/coalesced.Buckets``), the others as
+        redistributes. Not recorded: the tape's nodes are ``gathered``'s."""
+        out = [None] * len(self.params)
+        buckets = Buckets(out.__setitem__)
+        with torch.no_grad():
+            for k, (p, spec) in enumerate(zip(self.params, self.specs)):
+                buckets.add(k, p, spec)
+            buckets.flush()
+        return out
+
+
+def gathered(params, layouts) -> list:
+    """``params`` redistributed to ``layouts`` (one placements list each) for the computation at
+    hand (ZeRO-3: a layer's sharded parameters gathered whole before it runs), in as few
+    collectives as their layouts allow (``Gather.gather``). Each result is recorded as a
+    redistribute of its parameter (its gradient is the dual reduce-scatter, which the backward
+    buckets), whose blocks the hosts' saved graphs do not keep: the backward gathers the group
+    again, in one go, just before the first VJP that reads one of them, and lets it go after the
+    last (``run_backward``), so a gathered parameter lives only while a layer's forward or
+    backward runs."""
+    group = Gather(tuple(params), tuple(p._spec.with_placements(tuple(layout))
+                                        for p, layout in zip(params, layouts)))
+    fulls = group.gather()
+    if torch.is_grad_enabled():
+        for k, (p, full) in enumerate(zip(group.params, fulls)):
+            if p.requires_grad and differentiable(full._spec):
+                node = Node(None, 0, (p,), (True,), (full,))
+                node.gathered = (group, k)
+                full._requires_grad, full._node = True, node
+    return fulls
+
+
+def _regathered(o):
+    """A gathered operand (``gathered``) again, its whole group gathered once for the VJPs that
+    read it."""
+    group, k = o._node.gathered
+    if group.again is None:
+        group.again = group.gather()
+    return group.again[k]
 
 
 # -- backward -------------------------------------------------------------------------------------
@@ -237,8 +280,7 @@ def _vjp(node, grads, retain: bool = False) -> list:
     s = session.current()
     # the operands the hosts did not keep (``gathered``): gathered again, from their shards
     dropped = tuple(k for k, o in enumerate(node.operands) if _is_gathered(o))
-    regathered = [_layout(node.operands[k]._node.operands[0], node.operands[k]._spec)
-                  for k in dropped]
+    regathered = [_regathered(node.operands[k]) for k in dropped]
     key = ("vjp", node.call_id, needs, grad_specs, retain, dropped)
     bound = s.bound.get(key)
     if bound is None:
@@ -269,11 +311,39 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
             grads[t._id] = _add(grads.get(t._id), g)
     nodes = _reachable(roots)
     readers: dict = {}  # leaf id -> how many nodes still to visit read it
+    regathers: dict = {}  # Gather -> how many nodes still to visit read one of its results
     for node in nodes:
         for x, need in zip(node.operands or (), node.needs):
             if need and x.is_leaf:
                 readers[x._id] = readers.get(x._id, 0) + 1
+        for group in _gathers_read(node):
+            regathers[group] = regathers.get(group, 0) + 1
     found, buckets = {}, Buckets(_accumulate)
+    try:
+        _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph, wanted)
+    finally:
+        for group in regathers:  # (a walk that raised midway too)
+            group.again = None
+    if wanted is not None:
+        found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
+        return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
+    with torch.no_grad():
+        for leaf, g in leaves.values():  # roots that are leaves themselves
+            _land(buckets, leaf, g)
+        buckets.flush()
+    return {}
+
+
+def _gathers_read(node) -> set:
+    """The Gathers (``gathered``) whose results ``node``'s VJP reads: it needs them again."""
+    if node.op is None or node.operands is None:
+        return set()
+    return {o._node.gathered[0] for o in node.operands if _is_gathered(o)}
+
+
+def _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph, wanted):
+    """``run_backward``'s visit of ``nodes``, latest first: each one's VJP; a leaf's gradient
+    lands once its last reader is visited, a Gather's second copy goes after its last."""
     with torch.no_grad():
         for node in nodes:
             if node.operands is None:
@@ -296,15 +366,12 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
                     readers[x._id] -= 1
                     if readers[x._id] == 0 and wanted is None and x._id in leaves:
                         _land(buckets, *leaves.pop(x._id))
+            for group in _gathers_read(node):
+                regathers[group] -= 1
+                if not regathers[group]:
+                    group.again = None  # the hosts free its blocks after its last VJP
             if not retain_graph:
                 node.operands = None
-        if wanted is not None:
-            found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
-            return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
-        for leaf, g in leaves.values():  # roots that are leaves themselves
-            _land(buckets, leaf, g)
-        buckets.flush()
-    return {}
 
 
 def _land(buckets, leaf, g) -> None:

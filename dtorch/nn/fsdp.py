@@ -11,13 +11,17 @@ parameters; the replicated blocks are freed. Cast or move the model (``Module.to
 new Parameters) before ``fully_shard``, and build the optimizer after it.
 
 **When what is gathered.** A forward pre-hook puts, at each slot that registers a managed
-parameter, ``tape.gathered(p, placements)``: the parameter laid out as before ``fully_shard``
-(one all-gather on ``dp`` per parameter, issued as the module is called); the forward hook puts
-the sharded Parameters back, so the client drops the gathered tensors once the forward is done.
-With grad off (``torch.no_grad``, ``generate``) their blocks are freed then; with grad on, the
-hosts' saved graphs keep what the backward needs (``gathered``'s doc: the backward re-gathers
-the weights from the shards). Backward: the dual of the all-gather is a reduce-scatter, so each
-gradient lands in ``.grad`` Shard on ``dp``, laid out as its parameter, and the optimizer
+parameter, what ``tape.gathered`` makes of the group: each parameter laid out as before
+``fully_shard``, the group's parameters joined in one all-gather on ``dp``
+(``all_gather_coalesced``, one per 4 MB of shards), issued as the module is called; the forward
+hook puts the sharded Parameters back, so the client drops the gathered tensors once the
+forward is done. With grad off (``torch.no_grad``, ``generate``) their blocks are freed then;
+with grad on, the hosts' saved graphs keep what the backward needs, and the backward gathers
+the group again, in one go, before the first VJP that reads it (``gathered``'s doc). The client
+issues both ahead of the devices, so each gather runs on the communication stream while the
+layer before computes: that is the prefetch. Backward: the dual of the all-gather is a
+reduce-scatter, so each gradient lands in ``.grad`` Shard on ``dp``, laid out as its
+parameter (the group's gradients joined in one reduce-scatter per bucket), and the optimizer
 updates each device's shard where it is (``zero_stage=3``, which checks this layout).
 
 **Nesting**, as torch's FSDP2: bottom-up. Apply it to each layer, then to the root; a call
@@ -86,8 +90,9 @@ class _Group:
         self.module, self.entries = module, entries
 
     def unshard(self, *_) -> None:  # the forward pre-hook
-        for p, whole, slots in self.entries.values():
-            full = gathered(p, whole)
+        entries = list(self.entries.values())
+        fulls = gathered([p for p, _, _ in entries], [whole for _, whole, _ in entries])
+        for (_, _, slots), full in zip(entries, fulls):
             for owner, name in slots:
                 owner._parameters[name] = full
 
