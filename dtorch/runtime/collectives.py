@@ -143,10 +143,15 @@ def all_to_all(ctx, x, mesh_dim):
     n = pg.size()
     d_sizes = chunk_sizes(ctx.out_local_shape[d], n)
     e_sizes = chunk_sizes(x.shape[e], n)
-    send = torch.stack([_pad(_pad(c, d, d_sizes[0]), e, e_sizes[0])
-                        for c in torch.split(x, e_sizes, e)])
+    if e == 0 and len(set(e_sizes)) == 1 and x.shape[d] == d_sizes[0]:
+        send = x.contiguous().view(n, e_sizes[0], *x.shape[1:])  # the chunks, as they lie
+    else:
+        send = torch.stack([_pad(_pad(c, d, d_sizes[0]), e, e_sizes[0])
+                            for c in torch.split(x, e_sizes, e)])
     recv = torch.empty_like(send)
     pg.alltoall_base(_wire(recv), _wire(send), [], [], AllToAllOptions()).wait()
+    if d == 0 and len(set(d_sizes)) == 1 and e_sizes[rank] == e_sizes[0]:
+        return recv.view(n * d_sizes[0], *recv.shape[2:])  # the result, as it arrived
     return torch.cat([recv[j].narrow(d, 0, d_sizes[j]).narrow(e, 0, e_sizes[rank])
                       for j in range(n)], d)
 
