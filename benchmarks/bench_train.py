@@ -26,6 +26,7 @@ import time
 import torch
 
 from baseline import run_on_gloo_ranks
+from proccpu import CpuMeter
 
 CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
@@ -53,20 +54,35 @@ def torch_step(model, opt, ids, labels):
     return loss.item()
 
 
-def timed(step, rounds: int) -> float:
+def timed(step, rounds: int, meter=None) -> float:
+    """The median of ``rounds`` steps after a warm-up; ``meter`` (a ``CpuMeter``) measures the
+    CPU of those steps: its shares per step are left in ``meter.per_step``."""
     step(-1)  # warm-up
     times = []
+    if meter is not None:
+        meter.start()
     for k in range(rounds):
         t0 = time.perf_counter()
         step(k)
         times.append(time.perf_counter() - t0)
+    if meter is not None:
+        meter.per_step = {k: v / rounds for k, v in meter.stop().items()}
     return statistics.median(times)
 
 
-def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0) -> float:
+def cpu_line(shares: dict, copies: int = 1) -> str:
+    """CPU shares per step in ms, and their sum (``copies``: the baseline's ranks alike)."""
+    parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(shares.items()) if v >= 5e-4)
+    total = sum(shares.values()) * copies * 1e3
+    return f"{parts}{f' (x{copies} ranks)' if copies > 1 else ''} = {total:.0f} ms in all"
+
+
+def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0,
+                     meter=None) -> float:
     """One host process per device (each ``cpu_count / devices`` torch threads), in a runtime
     of its own. ``beside(k)``: a step of the baseline, timed in alternation with dtorch's
-    (returns both medians). ``zero_stage=3`` shards the model first (``fully_shard``)."""
+    (returns both medians). ``zero_stage=3`` shards the model first (``fully_shard``);
+    ``meter``: see ``timed``."""
     import dtorch
     from dtorch.models.llama import LlamaForCausalLM
 
@@ -96,7 +112,7 @@ def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0) 
         return loss.item()
 
     if beside is None:
-        seconds = timed(step, rounds)
+        seconds = timed(step, rounds, meter)
     else:
         step(-1), beside(-1)
         mine, theirs = [], []
@@ -136,9 +152,10 @@ def _rank_step(rank, rounds, kind):
         labels = labels.view(BATCH, SEQ)[half].flatten()
         return torch_step(model, opt, ids[half], labels)
 
-    seconds = timed(step, rounds)
+    meter = CpuMeter(program=f"rank {rank}")
+    seconds = timed(step, rounds, meter)
     dist.barrier()
-    return seconds
+    return seconds, meter.per_step
 
 
 def main(rounds: int) -> None:
@@ -149,19 +166,27 @@ def main(rounds: int) -> None:
     one, eager = dtorch_step_time((1,), rounds, lambda k: torch_step(hf, opt, *data(k)))
     print(f"{'1 device: dtorch / torch eager':36s} {one * 1e3:8.1f} ms vs {eager * 1e3:8.1f} ms"
           f"  {one / eager:5.2f}x  (goal <= 1.2x)")
-    dp2 = dtorch_step_time((2,), rounds)
+    dp2_cpu = CpuMeter()
+    dp2 = dtorch_step_time((2,), rounds, meter=dp2_cpu)
     zero3 = dtorch_step_time((2,), rounds, zero_stage=3)
+    ddp_cpu = None
     for kind, rows in (("ddp", [("", dp2)]),
                        ("fsdp2", [("ZeRO-3 ", zero3), ("ZeRO-0 ", dp2)])):
         try:
-            theirs = run_on_gloo_ranks(_rank_step, rounds, kind)
+            theirs, cpu = run_on_gloo_ranks(_rank_step, rounds, kind)
         except Exception as e:  # noqa: BLE001 - report what could not run
             print(f"{'dp2: dtorch / ' + kind:36s} n/a ({e})")
             continue
+        ddp_cpu = cpu if kind == "ddp" else ddp_cpu
         for label, mine in rows:
             print(f"{'dp2: dtorch ' + label + '/ torch ' + kind.upper():36s} "
                   f"{mine * 1e3:8.1f} ms vs {theirs * 1e3:8.1f} ms  {mine / theirs:5.2f}x  "
                   f"(goal < 1x)")
+    # on a CPU machine every process shares the cores: the CPU a step takes bounds its time
+    print(f"dp2 CPU per step, ms ({os.cpu_count()} cores):")
+    print(f"  dtorch: {cpu_line(dp2_cpu.per_step)}")
+    if ddp_cpu is not None:
+        print(f"  DDP rank 0: {cpu_line(ddp_cpu, copies=2)}")
 
 
 if __name__ == "__main__":

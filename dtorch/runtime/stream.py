@@ -10,6 +10,7 @@ bytes its blobs hold (``Graph.get_memory_stats``).
 from __future__ import annotations
 
 import collections
+import ctypes
 import queue
 import threading
 import time
@@ -151,6 +152,16 @@ class Recorder:
                             item.site))
 
 
+def name_os_thread(name: str) -> None:
+    """Names the calling thread for the OS too (Linux: ``top -H``, ``perf``, ``/proc``, which
+    otherwise see every Python thread as "python"); 15 bytes at most. Elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class Stream:
     """A device's queue of kernels, run in order on a thread of its own.
 
@@ -188,6 +199,7 @@ class Stream:
             self.pending = []
 
     def _run(self) -> None:
+        name_os_thread(self.thread.name)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
