@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -86,7 +87,7 @@ def release_id(tensor_id: int) -> None:
     if s is not None and not s.closed:
         records = s.records
         if not records:
-            s._wake.set()
+            s._wake.put(None)
             if s.tracing is not None:
                 s.batch_started = time.time_ns()
         records.append(tensor_id)
@@ -132,7 +133,10 @@ class Session:
         self.mesh_ids: dict = {}
         self.call_defs: list = []
         self._flush_lock = threading.Lock()
-        self._wake = threading.Event()
+        # the flusher's wake-ups: a SimpleQueue, whose put is reentrant, since a release may come
+        # from a __del__ that a garbage collection runs anywhere, inside another put too (an
+        # Event's set takes a lock of its own, and deadlocked there)
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self.keys = keys = auth.Keys.generate()  # this runtime's (see cluster/auth.py)
         self.ctx = zmq.Context()
         self._gatekeeper = auth.Gatekeeper(self.ctx, keys)
@@ -156,7 +160,7 @@ class Session:
     def append(self, record) -> None:
         records = self.records
         if not records:
-            self._wake.set()
+            self._wake.put(None)
             if self.tracing is not None:
                 self.batch_started = time.time_ns()
         records.append(record)
@@ -225,7 +229,7 @@ class Session:
     def _mark(self) -> None:
         request = next(self.requests)
         future = TensorFuture()
-        future.add_done_callback(lambda _: self._wake.set())  # a flush may be waiting for it
+        future.add_done_callback(lambda _: self._wake.put(None))  # a flush may wait for it
         self.pending[request] = (future, None, None)
         self._send(P.pack([P.Sync(P.SYNC, request)]))
         self.marks.append(future)
@@ -247,8 +251,9 @@ class Session:
         # of a batch waits when the user's code stops issuing without syncing. This thread
         # must outlive any error, or records would wait here forever.
         while not self.closed:
-            self._wake.wait()
-            self._wake.clear()
+            self._wake.get()
+            while not self._wake.empty():  # wake-ups that came meanwhile: one flush for all
+                self._wake.get()
             if self.closed:
                 return
             threading.Event().wait(config.flush_delay_s)
@@ -496,7 +501,7 @@ class Session:
         self.closed = True
         # the cause that waits still pending will see (the hosts' deaths that follow are not)
         self._die("dtorch.shutdown() was called")
-        self._wake.set()
+        self._wake.put(None)
         self.controller.stop(timeout=config.shutdown_timeout_s)
         self.ops.close(0)
         self._receiver.join(timeout=1)
