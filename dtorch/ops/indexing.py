@@ -231,7 +231,9 @@ def encode_index(x: Tensor, index) -> tuple:
 
 def _as_indices(x: Tensor, index) -> list:
     """Each item ``_as_index``, in order; as torch applies the items one by one, an int out of
-    bounds raises its IndexError before a later item's error (``x[4, :1.5]``)."""
+    bounds or a bad slice raises before a later item's error (``x[4, :1.5]``). Index tensors
+    are taken last, after every item has been applied, so their dtype is checked then, as
+    torch's advanced indexing does (``x[t16, ::0]`` is torch's slice error)."""
     out, dim = [], 0
     for it in index:
         item = _as_index(it)
@@ -245,19 +247,20 @@ def _as_indices(x: Tensor, index) -> list:
                                      f"dimension {dim} with size {size}")
             dim += item.ndim if _is_mask(item) else 1
         out.append(item)
+    if any(isinstance(item, (Tensor, torch.Tensor)) and
+           item.dtype not in (*_INT_DTYPES, *_MASK_DTYPES) for item in out):
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     return out
 
 
 def _as_index(it):
     """An index item as torch would take it, or torch's error: lists become torch tensors,
-    index tensors must be integer or bool ones, and the rest ints, slices, None or ``...``."""
+    and the rest ints, slices, None or ``...`` (index tensors' dtypes: ``_as_indices``)."""
     if isinstance(it, bool):
         raise IndexError("dtorch does not support indexing with a Python bool")
     if isinstance(it, (list, tuple)):
         it = torch.tensor(it)
     if isinstance(it, (Tensor, torch.Tensor)):
-        if it.dtype not in (*_INT_DTYPES, *_MASK_DTYPES):
-            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
         return it
     if isinstance(it, slice):  # checked here, in the index's order, as torch does
         start, stop, step = (_slice_int(v) for v in (it.start, it.stop, it.step))
