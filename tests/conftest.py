@@ -1,12 +1,11 @@
 """Test set-up: one dtorch runtime serves the whole session (it starts on first use and stops
 at exit); tests that kill processes run their program in a subprocess of their own."""
 
-import os
-
 import pytest
 import torch
 
 import dtorch
+from helpers import runtime_with
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +38,9 @@ def _no_pending_errors():
 
 @pytest.fixture
 def fusion_off():
-    """A runtime whose hosts never compile (the next operator starts it; the one after the test
-    is the usual one again)."""
-    dtorch.shutdown()
-    os.environ["DTORCH_FUSION"] = "0"  # read by the host processes
-    yield
-    dtorch.shutdown()
-    del os.environ["DTORCH_FUSION"]
+    """A runtime whose hosts never compile."""
+    with runtime_with(DTORCH_FUSION="0"):
+        yield
 
 
 @pytest.fixture

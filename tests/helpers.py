@@ -12,8 +12,10 @@ as a wrong value. Property tests count the examples they executed (``assert_exec
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import re
 
 import pytest
@@ -347,3 +349,22 @@ def assert_executed(counts, keys, minimum: int) -> None:
     refused: a property over layouts proves nothing about the ones it never executes."""
     short = {k: counts.get(k, 0) for k in keys if counts.get(k, 0) < minimum}
     assert not short, f"fewer than {minimum} executed (not refused) examples: {short}"
+
+
+@contextlib.contextmanager
+def runtime_with(**env):
+    """A runtime whose processes read these environment variables (the next operator starts
+    it), then the one the session had again, with the variables as they were (the suite may
+    run under DTORCH_REPLAY=0 or DTORCH_FUSION=0 as a whole)."""
+    saved = {name: os.environ.get(name) for name in env}
+    dtorch.shutdown()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        dtorch.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -8,7 +8,6 @@ bfloat16, transcendental functions) runs unfused.
 """
 
 import inspect
-import os
 import re
 from types import SimpleNamespace
 
@@ -19,6 +18,7 @@ import dtorch
 from dtorch.ops import registry
 from dtorch.runtime.fusion import EXACT, fusable, same_bits, segments
 from dtorch.runtime.program import MADE, OUTSIDE, SCALAR, Step
+from helpers import runtime_with
 
 
 def step(name, sources, outs, **kwargs):
@@ -70,13 +70,11 @@ def test_same_bits():
 
 @pytest.fixture(scope="module", autouse=True)
 def hot_soon():
-    """This module's runtime makes a program hot after 32 replays (not 256) and no time (not
-    2 s), so that its loops are short."""
-    dtorch.shutdown()
-    os.environ.update(DTORCH_FUSION_AFTER="32", DTORCH_FUSION_AFTER_S="0")  # read by the hosts
-    yield
-    dtorch.shutdown()
-    del os.environ["DTORCH_FUSION_AFTER"], os.environ["DTORCH_FUSION_AFTER_S"]
+    """This module's runtime replays, fuses, and makes a program hot after 32 replays (not 256)
+    and no time (not 2 s), so that its loops are short (whatever mode the suite runs in)."""
+    with runtime_with(DTORCH_REPLAY="1", DTORCH_FUSION="1", DTORCH_FUSION_AFTER="32",
+                      DTORCH_FUSION_AFTER_S="0"):
+        yield
 
 
 def body(a, b, lib):

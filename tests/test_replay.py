@@ -8,7 +8,6 @@ replayed stretch names its line.
 
 import copy
 import inspect
-import os
 import re
 
 import pytest
@@ -21,6 +20,7 @@ from dtorch.controller.graph import LogicalGraph
 from dtorch.controller.main import Controller
 from dtorch.controller.passes import PASSES, StreamState
 from dtorch.controller.replay import Replayer, periodic, windows
+from helpers import runtime_with
 
 
 def make_graph():
@@ -307,14 +307,11 @@ def test_a_window_after_a_graph_switch_is_not_replayed_from_the_other_graph(monk
 
 @pytest.fixture
 def replay_off():
-    """A runtime whose controller never replays (the next operator starts it)."""
-    dtorch.shutdown()
+    """A runtime whose controller never replays."""
     saved = config.replay
     config.replay = False
-    os.environ["DTORCH_REPLAY"] = "0"  # read by the controller process
-    yield
-    dtorch.shutdown()
-    del os.environ["DTORCH_REPLAY"]
+    with runtime_with(DTORCH_REPLAY="0"):
+        yield
     config.replay = saved
 
 
