@@ -42,31 +42,39 @@ class Memory:
     def note(self, storage: int, size: int) -> None:
         notes = self.notes
         notes.append((storage, size))
-        if len(notes) > self.LIMIT:
-            self.read()
+        # never waits for the lock: a blob's __del__ notes too, and a garbage collection may run
+        # it inside ``_apply`` on this very thread, which holds the lock (the holder drains)
+        if len(notes) > self.LIMIT and self._lock.acquire(blocking=False):
+            try:
+                self._apply(False)
+            finally:
+                self._lock.release()
 
     def read(self, reset_peak: bool = False) -> tuple:
         """(allocated, peak) in bytes; ``reset_peak`` then starts the peak again from now."""
         with self._lock:
-            notes, storages = self.notes, self._storages
-            allocated, peak = self.allocated, self.peak
-            while notes:  # only this thread takes notes out (others may add more meanwhile)
-                key, size = notes.popleft()
-                entry = storages.get(key)
-                if size:
-                    if entry is None:
-                        storages[key] = [size, 1]
-                        allocated += size
-                        peak = max(peak, allocated)
-                    else:
-                        entry[1] += 1
+            return self._apply(reset_peak)
+
+    def _apply(self, reset_peak: bool) -> tuple:
+        notes, storages = self.notes, self._storages
+        allocated, peak = self.allocated, self.peak
+        while notes:  # only the lock's holder takes notes out (others may add more meanwhile)
+            key, size = notes.popleft()
+            entry = storages.get(key)
+            if size:
+                if entry is None:
+                    storages[key] = [size, 1]
+                    allocated += size
+                    peak = max(peak, allocated)
                 else:
-                    entry[1] -= 1
-                    if not entry[1]:
-                        del storages[key]
-                        allocated -= entry[0]
-            self.allocated, self.peak = allocated, allocated if reset_peak else peak
-            return allocated, peak
+                    entry[1] += 1
+            else:
+                entry[1] -= 1
+                if not entry[1]:
+                    del storages[key]
+                    allocated -= entry[0]
+        self.allocated, self.peak = allocated, allocated if reset_peak else peak
+        return allocated, peak
 
 
 class Blob:
