@@ -132,6 +132,17 @@ def test_getitem_errors(mesh1):
         x[torch.tensor([True, False])]
 
 
+@pytest.mark.parametrize("index", [(..., ...), (..., 0, ...), (None, ..., ...), (..., None, ...),
+                                   (0, 1, ..., ..., 2), (..., ..., 1), (..., ..., None)], ids=str)
+def test_several_ellipses_read_as_torch_reads_them(index, mesh1):
+    """torch lets every ``...`` advance by the dims no item uses: after the first they are
+    no-ops when nothing follows them or nothing is free, and an item after a second one is past
+    the last dim (IndexError)."""
+    t = sample(SHAPE)
+    x = distribute(t, mesh1, [R])
+    check_like_torch(lambda v: v[index], [x], [t], exact=True)
+
+
 def index_items(shape):
     """Random torch-style indices for ``shape``: ints, slices, None, ..., lists."""
     def item(size):

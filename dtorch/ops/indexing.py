@@ -204,7 +204,7 @@ def encode_index(x: Tensor, index) -> tuple:
                or isinstance(it, bool) else 1 for it in index)
     if used > x.ndim:
         raise IndexError(f"too many indices for tensor of dimension {x.ndim}")
-    index = _as_indices(x, index)
+    index = _as_indices(x, _one_ellipsis(index, x.ndim - used))
     spans = [it.ndim if _is_mask(it) else 0 if it is None or it is Ellipsis else 1
              for it in index]
     items, tensors, known = [], [], []
@@ -227,6 +227,19 @@ def encode_index(x: Tensor, index) -> tuple:
         else:
             items.append(operator.index(it))
     return tuple(items), tensors, known
+
+
+def _one_ellipsis(index: tuple, free: int) -> tuple:
+    """The index as torch reads one with several ``...``: each advances by the ``free`` dims no
+    item uses, so after the first they are no-ops when nothing follows them or nothing is free
+    (``x[..., 0, ...]``), and anything after a second one is past the last dim."""
+    at = [k for k, it in enumerate(index) if it is Ellipsis]
+    if len(at) < 2:
+        return index
+    if free and any(it is not Ellipsis for it in index[at[1]:]):
+        raise IndexError(f"an index with more than one ellipsis places what follows the second "
+                         f"{free} dims past the tensor's last (use one ellipsis)")
+    return tuple(it for k, it in enumerate(index) if it is not Ellipsis or k == at[0])
 
 
 def _as_indices(x: Tensor, index) -> list:
