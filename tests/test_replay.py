@@ -8,6 +8,7 @@ replayed stretch names its line.
 
 import copy
 import inspect
+import os
 import re
 
 import pytest
@@ -303,6 +304,19 @@ def test_a_window_after_a_graph_switch_is_not_replayed_from_the_other_graph(monk
 
 
 # -- with the runtime ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def replaying():
+    """This module's runtime replays, whatever mode the suite runs in (a runtime of its own
+    only when the suite runs with DTORCH_REPLAY=0)."""
+    saved, config.replay = config.replay, True
+    if os.environ.get("DTORCH_REPLAY", "1") != "0":
+        yield
+    else:
+        with runtime_with(DTORCH_REPLAY="1"):
+            yield
+    config.replay = saved
 
 
 @pytest.fixture
