@@ -117,12 +117,20 @@ def test_data_and_tensor_parallel_mlp_against_torch(grid):
     assert dw1.grad.placements == [R, S0] and dw2.grad.placements == [R, S1]
 
 
-def test_tensor_parallel_gradients_share_one_all_reduce(grid, monkeypatch):
+@pytest.mark.parametrize("grad_placements,collective", [
+    (None, "all_reduce_coalesced"),  # data parallelism: the .grads Replicate on dp
+    ([S0, S1], "reduce_scatter_coalesced"),  # ZeRO-2's (AdamW(zero_stage=2) sets it; dim 0 is
+])                                           # the one tp leaves free)
+def test_gradients_laid_out_alike_share_one_collective(grad_placements, collective, grid,
+                                                       monkeypatch):
     """Column-parallel weights (Shard on tp, Replicate on dp) get gradients Partial on dp and
-    sharded on tp; laid out alike, they go in one bucket: one all-reduce of the devices' blocks
-    joined (``all_reduce_coalesced``), the shards kept, torch's values."""
+    sharded on tp; laid out alike, they go in one bucket: one all-reduce (or, into ZeRO-2's dp
+    shards, one reduce-scatter) of the devices' blocks joined, the tp shards kept, torch's
+    values."""
     ws, x = [g(8, 6, seed=k) for k in range(3)], g(10, 8, seed=5)
     ts, ds = leaves(ws, grid, [[R, S1]] * 3)
+    for d in ds:
+        d.grad_placements = grad_placements
     sum(torch.tanh(x @ w).pow(2).mean() for w in ts).backward()
     dx = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
     loss = sum(F.tanh(dx @ w).pow(2).mean() for w in ds)
@@ -133,9 +141,9 @@ def test_tensor_parallel_gradients_share_one_all_reduce(grid, monkeypatch):
         loss.backward()
         dtorch.sync()
     names = [e["name"] for e in prof.kernels() if e["pid"] == 0]
-    assert names.count("all_reduce_coalesced") == 1 and (8, 6) not in moves
+    assert names.count(collective) == 1 and (8, 6) not in moves
     for t, d in zip(ts, ds):
-        assert d.grad.placements == [R, S1]
+        assert d.grad.placements == (grad_placements or [R, S1])
         torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
 
 
@@ -211,30 +219,6 @@ def test_coalesced_collectives_refuse_what_they_cannot_join(grid):
         all_gather_coalesced([c, b], 0)
     with pytest.raises(ValueError, match="along dim 0: it must be a dim no other"):
         all_gather_coalesced([dtorch.zeros((4, 6), device_mesh=grid, placements=[S0, S0])], 0)
-
-
-def test_zero2_gradients_share_one_reduce_scatter(grid, monkeypatch):
-    """Under ZeRO-2 the gradients of data-parallel weights are reduce-scattered into their dp
-    shards; laid out alike, they go in one bucket: one reduce-scatter of the devices' blocks
-    joined (``reduce_scatter_coalesced``), torch's values."""
-    ws, x = [g(8, 6, seed=k) for k in range(3)], g(10, 8, seed=5)
-    ts, ds = leaves(ws, grid, [[R, S1]] * 3)
-    for d in ds:
-        d.grad_placements = [S0, S1]  # what AdamW(zero_stage=2) sets: dim 0 is free on dp
-    sum(torch.tanh(x @ w).pow(2).mean() for w in ts).backward()
-    dx = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
-    loss = sum(F.tanh(dx @ w).pow(2).mean() for w in ds)
-    moves, bind = [], dispatch.bind_redistribute
-    monkeypatch.setattr(dispatch, "bind_redistribute",
-                        lambda s, src, dst: moves.append(src.shape) or bind(s, src, dst))
-    with dtorch.profiler.profile() as prof:
-        loss.backward()
-        dtorch.sync()
-    names = [e["name"] for e in prof.kernels() if e["pid"] == 0]
-    assert names.count("reduce_scatter_coalesced") == 1 and (8, 6) not in moves
-    for t, d in zip(ts, ds):
-        assert d.grad.placements == [S0, S1]
-        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_duality_of_layouts():
