@@ -37,7 +37,7 @@ import itertools
 import torch
 
 from ..client import session
-from ..ops.coalesced import Buckets, coalescing
+from ..ops.coalesced import Buckets, coalescing, laid_out
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
 from ..protocol import COMM, RECORD, VJP_PREFIX
@@ -239,16 +239,9 @@ def _regathered(o):
 # -- backward -------------------------------------------------------------------------------------
 
 
-def _layout(g, spec):
-    """``g`` laid out as ``spec`` (same mesh, placements), as it is when it already is."""
-    if g._spec.mesh == spec.mesh and g._spec.placements == spec.placements:
-        return g
-    return g.redistribute(device_mesh=spec.mesh, placements=list(spec.placements))
-
-
 def _add(total, g):
     """Gradients summed, the new one laid out as the first."""
-    return g if total is None else total + _layout(g, total._spec)
+    return g if total is None else total + laid_out(g, total._spec)
 
 
 def _zeros(spec):
@@ -263,10 +256,10 @@ def _vjp(node, grads, retain: bool = False) -> list:
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads
         source = node.operands[0]
-        g = _layout(g, dual_spec(node.out_specs[0], "redistribute"))
+        g = laid_out(g, dual_spec(node.out_specs[0], "redistribute"))
         if source.is_leaf and coalescing(g._spec, _grad_spec(source)) is not None:
             return [g]  # (ZeRO-3's gathered parameters) a bucket reduces it (``_land``)
-        return [_layout(g, dual_spec(source._spec, "redistribute"))]
+        return [laid_out(g, dual_spec(source._spec, "redistribute"))]
     from ..client import dispatch
     name = node.op.name
     comm = node.op.flags & COMM
@@ -274,7 +267,7 @@ def _vjp(node, grads, retain: bool = False) -> list:
         raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "
                                   f"communicates, so the local VJP is not its gradient)")
     grad_specs = tuple(dual_spec(spec, name) for spec in node.out_specs)
-    grads = [_zeros(spec) if g is None else _layout(g, spec)
+    grads = [_zeros(spec) if g is None else laid_out(g, spec)
              for g, spec in zip(grads, grad_specs)]
     needs = tuple(need and differentiable(o._spec) for o, need in zip(node.operands, node.needs))
     s = session.current()
@@ -326,7 +319,7 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
             group.again = None
     if wanted is not None:
         found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
-        return {i: _layout(g, wanted[i]._spec) for i, g in found.items()}
+        return {i: laid_out(g, wanted[i]._spec) for i, g in found.items()}
     with torch.no_grad():
         for leaf, g in leaves.values():  # roots that are leaves themselves
             _land(buckets, leaf, g)

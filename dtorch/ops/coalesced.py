@@ -33,6 +33,9 @@ every dtorch reduction. All three differentiate through their collectives
 >>> part_a, part_b = dtorch.ops.coalesced.reduce_scatter_coalesced([a, b], 0, (1, 0))
 >>> part_a.placements, bool(part_a.to_torch().eq(1).all()), part_b.placements
 ([Shard(dim=1), Shard(dim=0)], True, [Shard(dim=0), Replicate()])
+>>> again_a, again_b = dtorch.ops.coalesced.all_gather_coalesced([part_a, part_b], 0)
+>>> again_a.placements, bool(again_a.to_torch().eq(1).all()), again_b.placements
+([Replicate(), Shard(dim=0)], True, [Replicate(), Replicate()])
 """
 
 from __future__ import annotations
@@ -107,8 +110,6 @@ register(OpDef("all_reduce_coalesced", "all_reduce_coalesced(tensors: TensorList
                _all_reduce_coalesced, coalesced_rule, meta=_meta, uses_context=True,
                flags=COMM, comm_dims=lambda in_specs, mesh_dims: tuple(mesh_dims),
                comm_grad=True, function=False))
-
-
 
 
 def reduce_scatter_coalesced(tensors, mesh_dim: int, dims) -> tuple:
@@ -275,7 +276,7 @@ class Buckets:
     def add(self, owner, t, target) -> None:
         how = coalescing(t._spec, target)
         if how is None:
-            return self.deliver(owner, _laid_out(t, target))
+            return self.deliver(owner, laid_out(t, target))
         key = (target.mesh, target.dtype, how)
         entries, size = self.open.get(key, ([], 0))
         entries.append((owner, t, target))
@@ -292,7 +293,7 @@ class Buckets:
     def _send(self, how, entries) -> None:
         if len(entries) == 1:
             owner, t, target = entries[0]
-            return self.deliver(owner, _laid_out(t, target))
+            return self.deliver(owner, laid_out(t, target))
         kind, mesh_dims = how
         tensors = [t for _, t, _ in entries]
         if kind == "all_reduce":
@@ -306,7 +307,8 @@ class Buckets:
             self.deliver(owner, out)
 
 
-def _laid_out(t, spec):
+def laid_out(t, spec):
+    """``t`` laid out as ``spec`` (its mesh and placements): ``t`` itself when it already is."""
     if t._spec.mesh == spec.mesh and t._spec.placements == spec.placements:
         return t
     return t.redistribute(device_mesh=spec.mesh, placements=list(spec.placements))
