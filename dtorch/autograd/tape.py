@@ -186,7 +186,9 @@ def record(bound, operands, outs, needs, key) -> None:
 
 class Gather:
     """Parameters gathered together (``gathered``: a ZeRO-3 layer's), and the layouts they were
-    gathered to; ``again``: gathered once more for the backward, while its VJPs run."""
+    gathered to; ``again``: gathered once more for the backward, while its VJPs run (a walk
+    that stops on an error leaves it for a retry, until the tape goes, as the hosts keep the
+    graphs of the nodes it did not visit)."""
 
     __slots__ = ("params", "specs", "again")
 
@@ -312,31 +314,6 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
         for group in _gathers_read(node):
             regathers[group] = regathers.get(group, 0) + 1
     found, buckets = {}, Buckets(_accumulate)
-    try:
-        _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph, wanted)
-    finally:
-        for group in regathers:  # (a walk that raised midway too)
-            group.again = None
-    if wanted is not None:
-        found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
-        return {i: laid_out(g, wanted[i]._spec) for i, g in found.items()}
-    with torch.no_grad():
-        for leaf, g in leaves.values():  # roots that are leaves themselves
-            _land(buckets, leaf, g)
-        buckets.flush()
-    return {}
-
-
-def _gathers_read(node) -> set:
-    """The Gathers (``gathered``) whose results ``node``'s VJP reads: it needs them again."""
-    if node.op is None or node.operands is None:
-        return set()
-    return {o._node.gathered[0] for o in node.operands if _is_gathered(o)}
-
-
-def _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph, wanted):
-    """``run_backward``'s visit of ``nodes``, latest first: each one's VJP; a leaf's gradient
-    lands once its last reader is visited, a Gather's second copy goes after its last."""
     with torch.no_grad():
         for node in nodes:
             if node.operands is None:
@@ -347,6 +324,7 @@ def _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph
             if wanted is not None:
                 found.update({i: g for i, g in zip(node.out_ids, outs)
                               if i in wanted and g is not None})
+            gathers = _gathers_read(node) if regathers else ()
             in_grads = _vjp(node, outs, retain_graph) if any(g is not None for g in outs) \
                 else ()
             for x, g in zip(node.operands, in_grads):
@@ -359,12 +337,26 @@ def _walk(nodes, grads, leaves, readers, regathers, found, buckets, retain_graph
                     readers[x._id] -= 1
                     if readers[x._id] == 0 and wanted is None and x._id in leaves:
                         _land(buckets, *leaves.pop(x._id))
-            for group in _gathers_read(node):
+            for group in gathers:
                 regathers[group] -= 1
                 if not regathers[group]:
                     group.again = None  # the hosts free its blocks after its last VJP
             if not retain_graph:
                 node.operands = None
+        if wanted is not None:
+            found.update({i: g for i, (_, g) in leaves.items() if i in wanted})
+            return {i: laid_out(g, wanted[i]._spec) for i, g in found.items()}
+        for leaf, g in leaves.values():  # roots that are leaves themselves
+            _land(buckets, leaf, g)
+        buckets.flush()
+    return {}
+
+
+def _gathers_read(node) -> set:
+    """The Gathers (``gathered``) whose results ``node``'s VJP reads: it needs them again."""
+    if node.op is None or node.operands is None:
+        return set()
+    return {o._node.gathered[0] for o in node.operands if _is_gathered(o)}
 
 
 def _land(buckets, leaf, g) -> None:
