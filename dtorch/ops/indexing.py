@@ -276,13 +276,10 @@ def _as_index(it):
     if isinstance(it, (Tensor, torch.Tensor)):
         return it
     if isinstance(it, slice):  # checked here, in the index's order, as torch does
-        # and in torch's order within it: start, step (zero), stop, then a negative step
-        start, step = _slice_int(it.start), _slice_int(it.step)
-        if step == 0:
-            raise ValueError("slice step cannot be zero")
-        stop = _slice_int(it.stop)
-        if step is not None and step < 0:
-            raise ValueError("step must be greater than zero")
+        start, stop, step = (_slice_int(v) for v in (it.start, it.stop, it.step))
+        if step is not None and step <= 0:
+            raise ValueError("slice step cannot be zero" if step == 0 else
+                             "step must be greater than zero")
         return slice(start, stop, step)
     if it is None or it is Ellipsis or hasattr(type(it), "__index__"):
         return it
