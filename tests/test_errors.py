@@ -14,6 +14,7 @@ import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.client import session
+import extension_kernels as K
 from helpers import assert_close
 from processes import CLIENT_PRELUDE, run_client
 
@@ -98,6 +99,31 @@ def test_kernel_error_raises_at_next_read_with_op_and_line():
     with pytest.raises(RuntimeError, match="floor_divide"):
         value(x)  # the failed value itself raises whenever it is read
     dtorch.sync()
+
+
+def test_each_call_site_is_named_however_the_op_is_reached():
+    """Sites are looked up by code object and bytecode offset: the same op on two lines of one
+    loop, an operator, a function, a method and a call inside dtorch's own code each name the
+    user's line."""
+    fails = dtorch.local_map(K.fails_on_values, [Replicate()])  # issued by dtorch's own code
+
+    def failing(k):  # each returns (the failed tensor, the line dtorch must name)
+        x = dtorch.tensor([1, 2])
+        if k == 0:
+            return x // 0, here()
+        if k == 1:
+            return dtorch.floor_divide(x, 0), here()
+        if k == 2:
+            return x.floor_divide(0), here()
+        return fails(x), here()
+
+    for _ in range(2):  # the second round finds every site in the cache
+        for k in range(4):
+            t, line = failing(k)
+            with pytest.raises(RuntimeError, match="floor_divide|boom") as info:
+                value(t)
+            assert line in str(info.value), (k, str(info.value))
+            dtorch.sync()
 
 
 def test_kernel_error_raises_at_next_sync():

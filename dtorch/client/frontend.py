@@ -4,7 +4,7 @@ Each entry's signature (torch's) becomes a real Python function, so argument err
 own and a call costs no signature binding: ``add(input, other, *, alpha=1)`` becomes
 
     def add(input, other, *, alpha=1):
-        return _dispatch(_op, (input, other), (alpha,))
+        return _dispatch(_op, (input, other), (alpha,), 3)
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def generate(op, dispatch_fn=dispatch):
             operands.append(f"*_tensors({p.name})" if p.varargs else "*" + p.name)
         else:
             static.append(f"_size({p.name})" if p.varargs else p.name)
-    call = f"_dispatch(_op, {_tuple(operands)}, {_tuple(static)})"
+    # dispatch itself learns to skip this front's frame when it looks for the user's line
+    depth = ", 3" if dispatch_fn is dispatch else ""
+    call = f"_dispatch(_op, {_tuple(operands)}, {_tuple(static)}{depth})"
     src = (
         f"def {op.name}({', '.join(params)}):\n"
         f"    return {f'_result({call})' if op.result else call}\n"

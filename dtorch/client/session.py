@@ -87,9 +87,7 @@ def release_id(tensor_id: int) -> None:
     if s is not None and not s.closed:
         records = s.records
         if not records:
-            s._wake.put(None)
-            if s.tracing is not None:
-                s.batch_started = time.time_ns()
+            s.wake()
         records.append(tensor_id)
 
 
@@ -110,7 +108,9 @@ class Session:
         self.records = deque()
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         self.requests = itertools.count(1)
-        self.sites: dict = {}
+        self.sites: dict = {}  # (file, line) -> index in site_names
+        self.code_sites: dict = {}  # id(code) -> {bytecode offset: site index}, or _INSIDE
+        self.codes: list = []  # the code objects of code_sites, kept alive
         self.site_names: list = ["<unknown>"]
         self.pending: dict = {}  # request -> (future, spec, pieces)
         self.traces: dict = {}  # request -> the TraceEvents received for a trace stop
@@ -160,12 +160,16 @@ class Session:
     def append(self, record) -> None:
         records = self.records
         if not records:
-            self._wake.put(None)
-            if self.tracing is not None:
-                self.batch_started = time.time_ns()
+            self.wake()
         records.append(record)
         if len(records) >= config.flush_records:
             self.flush()
+
+    def wake(self) -> None:
+        """A batch starts: the flusher sends it soon unless a flush comes first."""
+        self._wake.put(None)
+        if self.tracing is not None:
+            self.batch_started = time.time_ns()
 
     def flush(self, block: bool = True) -> None:
         """Sends the buffered records as one frame. ``block``: the user's thread waits here while
@@ -298,18 +302,41 @@ class Session:
             self.graph = graph
             self.append(P.SetGraph(P.SET_GRAPH, graph))
 
-    def site(self) -> int:
-        """Index of the user's ``file:line`` (the first frame outside dtorch)."""
-        f = sys._getframe(2)  # the caller of dispatch: the user, or more dtorch frames
-        code = f.f_code
-        while code.co_filename.startswith(_PACKAGE_DIR):
+    def site(self, depth: int = 2) -> int:
+        """Index of the user's ``file:line``: the first frame outside dtorch, from ``depth``
+        frames up (2: the caller of dispatch). Found by the frame's code object and bytecode
+        offset, both free to read: a line number costs a walk of the code's line table, paid
+        once per call site."""
+        f = sys._getframe(depth)
+        by_code = self.code_sites
+        while True:
+            sites = by_code.get(id(f.f_code))
+            if sites is None:
+                sites = self._code_sites(f.f_code)
+            if sites is not _INSIDE:
+                break
             f = f.f_back
-            code = f.f_code
-        key = (code.co_filename, f.f_lineno)  # not the code object: equal code compares equal
+        index = sites.get(f.f_lasti)
+        if index is None:
+            index = sites[f.f_lasti] = self._site_index(f.f_code.co_filename, f.f_lineno)
+        return index
+
+    def _code_sites(self, code) -> dict:
+        """``code_sites``'s entry for a code object met for the first time: ``_INSIDE`` for
+        dtorch's own code, else its call sites by bytecode offset. The code is kept alive, so its
+        id names no other while it stands here."""
+        self.codes.append(code)
+        sites = _INSIDE if code.co_filename.startswith(_PACKAGE_DIR) else {}
+        self.code_sites[id(code)] = sites
+        return sites
+
+    def _site_index(self, filename: str, line: int) -> int:
+        # keyed by name, not code object: equal code elsewhere compares equal
+        key = (filename, line)
         index = self.sites.get(key)
         if index is None:
             index = self.sites[key] = len(self.site_names)
-            self.site_names.append(f"{key[0]}:{key[1]}")
+            self.site_names.append(f"{filename}:{line}")
         return index
 
     # -- waits ----------------------------------------------------------------------------------
@@ -555,4 +582,5 @@ def _tensor_from(frame, shape, dtype):
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dt).reshape(shape)
 
 
+_INSIDE = {}  # code_sites' mark for dtorch's own code
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
