@@ -25,13 +25,18 @@ class CallInfo(NamedTuple):
     flags: int
     reads: tuple  # where the tensor operands stand in an Operator's record
     scope: int  # the devices a host queues the kernel on, interned (LogicalGraph.scope)
+    # where the rest stands, for replay.shape_of: (reads, the scalar operands' places, the
+    # results' first place, the place after them), unpacked at once
+    places: tuple
 
     @classmethod
     def from_record(cls, rec, scope: int) -> CallInfo:
         _, i, op, inputs, outputs, static, flags = rec
         first = P.OP_OUTS + len(outputs)
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
-        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope)
+        scalars = tuple(first + k for k, s in enumerate(inputs) if not s)
+        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope,
+                   (reads, scalars, P.OP_OUTS, first))
 
 
 class Operator:

@@ -43,6 +43,7 @@ MIN_WINDOW = 128  # records: shorter windows of a short period cost more per rec
 MAX_PERIOD = 2048  # records
 MAX_TRIES = 32  # candidate periods tried per batch (each costs a comparison of the stretch)
 MAX_PROGRAMS = 4096  # cached window shapes; past it the cache starts again
+RELEASE = None  # in a window's key: a release's ref follows
 
 
 class Program(NamedTuple):
@@ -161,46 +162,44 @@ def windows(records: list, calls: dict) -> list:
 def shape_of(calls: dict, records: list):
     """``(key, outside, made, scalars)`` of a window. ``key`` tells its shape: each record's
     call and site, and the *ref* of each tensor operand, result and release (k >= 0: the
-    window's k-th result; -1 - j: its j-th outside input). ``outside`` and ``made`` list those
+    window's k-th result; -1 - j: its j-th outside input), in one flat tuple (a call's id tells
+    how many refs follow it, ``RELEASE`` that one does). ``outside`` and ``made`` list those
     ids in order, ``scalars`` the scalar operands' values."""
-    made: dict = {}  # id -> its ref
-    outside: dict = {}
-    scalars: list = []
-    key = []
+    refs: dict = {}  # id -> its ref
+    outside, made, scalars, key = [], [], [], []
+    add = key.append
+    call_at, site_at = P.OP_CALL, P.OP_SITE
     # a ref's lookup is spelled out where it is needed, not a function: this runs for every
     # tensor of every record of a window, and is most of what a replay costs the controller
     for rec in records:
         if type(rec) is int:
-            ref = made.get(rec)
+            ref = refs.get(rec)
             if ref is None:
-                ref = outside.get(rec)
-                if ref is None:
-                    ref = outside[rec] = -1 - len(outside)
-            key.append(ref)
+                ref = refs[rec] = -1 - len(outside)
+                outside.append(rec)
+            add(RELEASE)
+            add(ref)
             continue
-        call = calls[rec[P.OP_CALL]]
-        entry = [rec[P.OP_CALL], rec[P.OP_SITE]]
-        for k in call.reads:
+        reads, scalars_at, first_out, end_out = calls[rec[call_at]].places
+        add(rec[call_at])
+        add(rec[site_at])
+        for k in reads:
             t = rec[k]
-            ref = made.get(t)
+            ref = refs.get(t)
             if ref is None:
-                ref = outside.get(t)
-                if ref is None:
-                    ref = outside[t] = -1 - len(outside)
-            entry.append(ref)
-        n_out = len(call.outputs)
-        if len(call.reads) != len(call.inputs):
-            first = P.OP_OUTS + n_out
-            scalars += [rec[first + k] for k, spec in enumerate(call.inputs) if not spec]
-        for t in rec[P.OP_OUTS:P.OP_OUTS + n_out]:
-            ref = made.get(t)
+                ref = refs[t] = -1 - len(outside)
+                outside.append(t)
+            add(ref)
+        for k in scalars_at:
+            scalars.append(rec[k])
+        for k in range(first_out, end_out):
+            t = rec[k]
+            ref = refs.get(t)  # known: an in-place call's result is its operand
             if ref is None:
-                ref = outside.get(t)  # an in-place call's result is its operand
-                if ref is None:
-                    ref = made[t] = len(made)
-            entry.append(ref)
-        key.append(tuple(entry))
-    return tuple(key), list(outside), list(made), scalars
+                ref = refs[t] = len(made)
+                made.append(t)
+            add(ref)
+    return tuple(key), outside, made, scalars
 
 
 def _refs(calls: dict, records: list, outside: list, made: list) -> dict:
