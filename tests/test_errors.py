@@ -126,6 +126,21 @@ def test_each_call_site_is_named_however_the_op_is_reached():
             dtorch.sync()
 
 
+def test_call_sites_of_code_compiled_again_and_again_stay_right(monkeypatch):
+    """The client keeps at most MAX_CODES code objects for its site lookup; past that it starts
+    again, and every site is still named right."""
+    monkeypatch.setattr(session, "MAX_CODES", 3)
+    s = session.current()
+    for k in range(8):  # 8 code objects, of 2 file names
+        code = compile("t = dtorch.tensor([1]) // 0", f"<compiled {k % 2}>", "exec")
+        scope = {"dtorch": dtorch}
+        exec(code, scope)  # noqa: S102
+        with pytest.raises(RuntimeError, match=f"<compiled {k % 2}>:1"):
+            value(scope["t"])
+        dtorch.sync()
+        assert len(s.codes) <= 3
+
+
 def test_kernel_error_raises_at_next_sync():
     w = dtorch.tensor([2]) ** -1; line = here()  # ints to a negative power
     with pytest.raises(RuntimeError, match="pow") as info:

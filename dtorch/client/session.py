@@ -44,6 +44,7 @@ _lock = threading.Lock()
 _tensor_ids = itertools.count(1)
 MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
 MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
+MAX_CODES = 4096  # code objects whose call sites the client keeps looked up
 MARKS = 4  # flow-control marks in flight at most (see the module docstring)
 log = logging.getLogger("dtorch")
 
@@ -324,7 +325,11 @@ class Session:
     def _code_sites(self, code) -> dict:
         """``code_sites``'s entry for a code object met for the first time: ``_INSIDE`` for
         dtorch's own code, else its call sites by bytecode offset. The code is kept alive, so its
-        id names no other while it stands here."""
+        id names no other while it stands here. A cache: past ``MAX_CODES`` (code compiled
+        again and again, by ``exec``) it starts again, the sites' indices stay."""
+        if len(self.codes) >= MAX_CODES:
+            self.codes.clear()
+            self.code_sites.clear()
         self.codes.append(code)
         sites = _INSIDE if code.co_filename.startswith(_PACKAGE_DIR) else {}
         self.code_sites[id(code)] = sites
