@@ -139,7 +139,8 @@ def windows(records: list, calls: dict) -> list:
     if n < MIN_WINDOW:
         return [(0, n, False)]
     # an operator is its call and site, a release -1, any other record a key of its own
-    keys = [-1 if type(r) is int else r[P.OP_CALL] << 24 | r[P.OP_SITE] if r[0] == P.OP
+    op, call_at, site_at = P.OP, P.OP_CALL, P.OP_SITE  # (locals: read once per record)
+    keys = [-1 if type(r) is int else r[call_at] << 24 | r[site_at] if r[0] == op
             else -2 - k for k, r in enumerate(records)]
     found = periodic(keys, MIN_WINDOW)
     if found is None:
