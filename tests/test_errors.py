@@ -6,7 +6,9 @@ and the runtime stays usable. Every wait here has a timeout, so a hang fails ins
 
 from __future__ import annotations
 
+import _thread
 import sys
+import time
 
 import pytest
 import torch
@@ -139,6 +141,17 @@ def test_call_sites_of_code_compiled_again_and_again_stay_right(monkeypatch):
             value(scope["t"])
         dtorch.sync()
         assert len(s.codes) <= 3
+
+
+def test_an_op_called_straight_from_c_is_issued_with_no_site():
+    """A front that C calls with no Python frame below it (a bare thread's target) is issued; its
+    call site is unknown."""
+    x = dtorch.zeros(3)
+    _thread.start_new_thread(x.add_, (1.0,))
+    deadline = time.monotonic() + 10
+    while value(x)[0] != 1.0:  # the thread's add_ lands soon: polled, with a deadline
+        assert time.monotonic() < deadline, "the thread's call failed"
+    assert session.current().site(10_000) == 0  # "<unknown>"
 
 
 def test_kernel_error_raises_at_next_sync():

@@ -308,7 +308,10 @@ class Session:
         frames up (2: the caller of dispatch). Found by the frame's code object and bytecode
         offset, both free to read: a line number costs a walk of the code's line table, paid
         once per call site."""
-        f = sys._getframe(depth)
+        try:
+            f = sys._getframe(depth)
+        except ValueError:  # called from C with no user frame below (a thread's target)
+            return 0
         by_code = self.code_sites
         while True:
             sites = by_code.get(id(f.f_code))
@@ -317,6 +320,8 @@ class Session:
             if sites is not _INSIDE:
                 break
             f = f.f_back
+            if f is None:
+                return 0  # "<unknown>"
         index = sites.get(f.f_lasti)
         if index is None:
             index = sites[f.f_lasti] = self._site_index(f.f_code.co_filename, f.f_lineno)
