@@ -133,12 +133,18 @@ def test_getitem_errors(mesh1):
         x[torch.tensor([True, False])]
 
 
-@pytest.mark.parametrize("index", [(..., ...), (..., 0, ...), (None, ..., ...), (..., None, ...),
-                                   (0, 1, ..., ..., 2), (..., ..., 1), (..., ..., None)], ids=str)
+@pytest.mark.parametrize("index", [
+    (..., ...), (..., 0, ...), (None, ..., ...), (..., None, ...), (0, 1, ..., ..., 2),
+    (..., ..., 1), (..., ..., None), (..., ..., slice(1, None)),  # past the last dim: IndexError
+    (..., ..., slice(None)), (..., ..., slice(0, None, 1)), (..., 0, ..., slice(None)),
+    (0, ..., ..., slice(None), ...),  # full slices past the last dim: skipped
+    (..., ..., slice(None, None, 0)), (..., ..., 0, slice(None, None, 0)),  # the step's error
+    (..., ..., slice(None, 1.5)),  # the slice's TypeError
+], ids=str)
 def test_several_ellipses_read_as_torch_reads_them(index, mesh1):
     """torch lets every ``...`` advance by the dims no item uses: after the first they are
     no-ops when nothing follows them or nothing is free, and an item after a second one is past
-    the last dim (IndexError)."""
+    the last dim (IndexError) unless it is a full slice, which torch skips."""
     t = sample(SHAPE)
     x = distribute(t, mesh1, [R])
     check_like_torch(lambda v: v[index], [x], [t], exact=True)

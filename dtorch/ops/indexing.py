@@ -231,15 +231,28 @@ def encode_index(x: Tensor, index) -> tuple:
 
 def _one_ellipsis(index: tuple, free: int) -> tuple:
     """The index as torch reads one with several ``...``: each advances by the ``free`` dims no
-    item uses, so after the first they are no-ops when nothing follows them or nothing is free
-    (``x[..., 0, ...]``), and anything after a second one is past the last dim."""
+    item uses (a full slice ``:`` counts as used), so the first stands for ``free`` full slices,
+    and what follows a second one is past the last dim: there torch skips a full slice and
+    refuses anything else (IndexError), once it has read every slice (a zero step is its
+    ValueError first). With nothing free the ellipses are no-ops."""
     at = [k for k, it in enumerate(index) if it is Ellipsis]
     if len(at) < 2:
         return index
-    if free and any(it is not Ellipsis for it in index[at[1]:]):
+    if not free:
+        return tuple(it for k, it in enumerate(index) if it is not Ellipsis or k == at[0])
+    for it in index:
+        if isinstance(it, slice):
+            _as_index(it)
+    if any(it is not Ellipsis and not _full_slice(it) for it in index[at[1]:]):
         raise IndexError(f"an index with more than one ellipsis places what follows the second "
                          f"{free} dims past the tensor's last (use one ellipsis)")
-    return tuple(it for k, it in enumerate(index) if it is not Ellipsis or k == at[0])
+    return (*index[:at[0]], *[slice(None)] * free, *index[at[0] + 1:at[1]])
+
+
+def _full_slice(it) -> bool:
+    """``:`` (also ``0:``, ``::1``): an item torch's indexing skips."""
+    return (isinstance(it, slice) and it.start in (None, 0) and it.stop is None
+            and it.step in (None, 1))
 
 
 def _as_indices(x: Tensor, index) -> list:
