@@ -138,6 +138,8 @@ def test_getitem_errors(mesh1):
     (..., ..., 1), (..., ..., None), (..., ..., slice(1, None)),  # past the last dim: IndexError
     (..., ..., slice(None)), (..., ..., slice(0, None, 1)), (..., 0, ..., slice(None)),
     (0, ..., ..., slice(None), ...),  # full slices past the last dim: skipped
+    (..., ..., 0, slice(None)), (..., ..., -1, slice(None), slice(None)),  # an int within it
+    (..., ..., 0, 0), (None, ..., ..., 0),
     (..., ..., slice(None, None, 0)), (..., ..., 0, slice(None, None, 0)),  # the step's error
     (..., ..., slice(None, 1.5)),  # the slice's TypeError
 ], ids=str)

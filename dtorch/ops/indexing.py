@@ -200,11 +200,10 @@ def encode_index(x: Tensor, index) -> tuple:
     index = index if isinstance(index, tuple) else (index,)
     # torch counts the dims an index uses before it looks at the items' types (None, ``...``
     # and a bool use none)
-    used = sum(it.ndim if _is_mask(it) else 0 if it is None or it is Ellipsis
-               or isinstance(it, bool) else 1 for it in index)
+    used = sum(map(_span, index))
     if used > x.ndim:
         raise IndexError(f"too many indices for tensor of dimension {x.ndim}")
-    index = _as_indices(x, _one_ellipsis(index, x.ndim - used))
+    index = _as_indices(x, _one_ellipsis(index, x.ndim - used, x.ndim))
     spans = [it.ndim if _is_mask(it) else 0 if it is None or it is Ellipsis else 1
              for it in index]
     items, tensors, known = [], [], []
@@ -229,24 +228,43 @@ def encode_index(x: Tensor, index) -> tuple:
     return tuple(items), tensors, known
 
 
-def _one_ellipsis(index: tuple, free: int) -> tuple:
-    """The index as torch reads one with several ``...``: each advances by the ``free`` dims no
-    item uses (a full slice ``:`` counts as used), so the first stands for ``free`` full slices,
-    and what follows a second one is past the last dim: there torch skips a full slice and
-    refuses anything else (IndexError), once it has read every slice (a zero step is its
-    ValueError first). With nothing free the ellipses are no-ops."""
-    at = [k for k, it in enumerate(index) if it is Ellipsis]
-    if len(at) < 2:
+def _span(it) -> int:
+    """The input dims an index item uses, as torch counts them before it looks at the items'
+    types (None, ``...`` and a bool use none)."""
+    if _is_mask(it):
+        return it.ndim
+    return 0 if it is None or it is Ellipsis or isinstance(it, bool) else 1
+
+
+def _one_ellipsis(index: tuple, free: int, ndim: int) -> tuple:
+    """The index as torch reads one with several ``...``: each stands for the ``free`` dims no
+    item uses (a full slice ``:`` counts as used), so items may run past the result's last dim.
+    torch walks the items with a position in its result: a slice or None moves it on, an int
+    removes the dim there; at or past the end it skips a full slice (and moves on) and refuses
+    anything else (IndexError), once it has read every slice (a zero step is its ValueError
+    first). The result is that walk as an index without ``...``."""
+    if sum(it is Ellipsis for it in index) < 2:
         return index
-    if not free:
-        return tuple(it for k, it in enumerate(index) if it is not Ellipsis or k == at[0])
     for it in index:
         if isinstance(it, slice):
             _as_index(it)
-    if any(it is not Ellipsis and not _full_slice(it) for it in index[at[1]:]):
-        raise IndexError(f"an index with more than one ellipsis places what follows the second "
-                         f"{free} dims past the tensor's last (use one ellipsis)")
-    return (*index[:at[0]], *[slice(None)] * free, *index[at[0] + 1:at[1]])
+    out, at, dims = [], 0, ndim  # the position, and the result's dims so far
+    for it in index:
+        for item in [slice(None)] * free if it is Ellipsis else [it]:
+            if at > dims or at == dims and item is not None:
+                if _full_slice(item):
+                    at += 1
+                    continue
+                raise IndexError(f"an index with more than one ellipsis places {item!r} past "
+                                 f"the tensor's last dim (use one ellipsis)")
+            out.append(item)
+            if item is None:
+                at, dims = at + 1, dims + 1
+            elif isinstance(item, (slice, list, tuple, Tensor, torch.Tensor)):
+                at += _span(item)
+            else:  # an int
+                dims -= 1
+    return tuple(out)
 
 
 def _full_slice(it) -> bool:
