@@ -294,3 +294,14 @@ def test_equal_static_values_of_other_types_are_other_calls():
     assert dtorch.full((2,), True).dtype == torch.bool
     x = dtorch.arange(4)
     assert x.clamp(min=0).dtype == torch.int64 and x.clamp(min=0.5).dtype == torch.float32
+    # inside a size or dims too: (3.0, 2) == (3, 2), but torch refuses the float
+    y = dtorch.ones((2, 3))
+    for good, bad in ((lambda v: v.reshape(3, 2), lambda v: v.reshape(3.0, 2)),
+                      (lambda v: v.reshape((3, 2)), lambda v: v.reshape([3, 2.0])),
+                      (lambda v: v.flip(1), lambda v: v.flip(1.0)),
+                      (lambda v: v.sum((1,)), lambda v: v.sum((True,)))):
+        assert good(y).shape == good(torch.ones((2, 3))).shape
+        with pytest.raises(TypeError):
+            bad(torch.ones((2, 3)))
+        with pytest.raises(TypeError):
+            bad(y)

@@ -159,11 +159,11 @@ GOOD_SIZES = st.lists(st.integers(0, 4), max_size=3)
 SIZES = st.one_of(GOOD_SIZES.map(tuple), GOOD_SIZES.map(lambda s: (tuple(s),)),  # f(2), f((2,))
                   SIZE_ITEMS.map(lambda s: (s,)), st.lists(SIZE_ITEMS, max_size=3).map(tuple),
                   st.sampled_from([(None,), ([[2]],), ((2, 3.0),)]))
-# top-level bad dims only: a float inside a dims tuple can hit a cached int call (a known gap,
-# tests/test_validation.py::test_nested_float_static_after_an_int_hit)
+# bad dims at the top and inside a tuple (where (1.0,) == (1,) must not hit a cached int call)
 DIMS = st.one_of(st.none(), st.integers(-3, 3), st.tuples(st.integers(-2, 1)),
                  st.tuples(st.integers(-2, 1), st.integers(-2, 1)),
-                 st.sampled_from([2.5, 1.0, True, "a", np.int64(1), torch.tensor(0), [0, 1]]))
+                 st.sampled_from([2.5, 1.0, True, "a", np.int64(1), torch.tensor(0), [0, 1],
+                                  (1.0,), (0, 1.0), (True,)]))
 GOOD_PLACEMENTS = [R, Shard(0), Shard(1), Shard(-1), Partial(), Partial("max")]
 # ("fit", ps): ps cut to the mesh's dims; else the placements as they are (often wrong)
 PLACEMENT_LISTS = st.one_of(

@@ -56,8 +56,13 @@ def dispatch(op, operands: tuple, static: tuple, depth: int = 2):
         s = _session.current()  # starts the runtime, or raises its failure or unsent records
     # static args' types are part of the key: 6 == 6.0 in Python, but arange(6) is int64 and
     # arange(6.) float32
-    n = len(static)
-    kinds = (type(static[0]),) if n == 1 else tuple(map(type, static)) if n else ()
+    if len(static) == 1:  # the usual case, spelled out
+        kind = type(static[0])
+        kinds = (kind,) if kind in _FLAT else _kinds(static)
+    else:
+        kinds = tuple(map(type, static))
+        if not _FLAT.issuperset(kinds):  # a size or dims: (3.0, 2) == (3, 2) too
+            kinds = _kinds(static)
     if len(operands) == 2:  # the usual case, spelled out: this runs for every operator
         a, c = operands
         key = (op, static, kinds, a._spec if isinstance(a, Tensor) else type(a),
@@ -83,6 +88,17 @@ def dispatch(op, operands: tuple, static: tuple, depth: int = 2):
         s.append((_OP, bound.call_id, site, 0, t._id, *_wire_operands(operands, bound.mask)))
         return t
     return issue(s, bound, operands, site)
+
+
+# static args' types that need no look inside (anything else may be a sequence of numbers)
+_FLAT = frozenset({int, float, bool, type(None), str, torch.dtype})
+
+
+def _kinds(value):
+    """The types in a static arg or tuple of them, sequences' items included."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(map(_kinds, value))
+    return type(value)
 
 
 def issue(s, b: Bound, operands, site: int):
