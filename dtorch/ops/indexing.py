@@ -204,8 +204,7 @@ def encode_index(x: Tensor, index) -> tuple:
     if used > x.ndim:
         raise IndexError(f"too many indices for tensor of dimension {x.ndim}")
     index = _as_indices(x, _one_ellipsis(index, x.ndim - used, x.ndim))
-    spans = [it.ndim if _is_mask(it) else 0 if it is None or it is Ellipsis else 1
-             for it in index]
+    spans = list(map(_span, index))
     items, tensors, known = [], [], []
     for k, it in enumerate(index):
         if it is None:
