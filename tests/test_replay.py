@@ -10,6 +10,7 @@ import copy
 import inspect
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from dtorch.controller import replay
 from dtorch.controller.graph import LogicalGraph
 from dtorch.controller.main import Controller
 from dtorch.controller.passes import PASSES, StreamState
+from dtorch.client import session
 from dtorch.controller.replay import Replayer, periodic, windows
 from helpers import runtime_with
 
@@ -60,9 +62,11 @@ def op(call, site, out, *operands):
     return [P.OP, call, site, 0, out, *operands]
 
 
-def lower_both(batches, monkeypatch, window=8):
+def lower_both(batches, monkeypatch, window=8, hold=False):
     """Each batch through a Replayer, and through one that never replays (every window goes
-    through the passes): both outputs (host records), and how many windows were replayed."""
+    through the passes): both outputs (host records), and how many windows were replayed.
+    ``hold``: as the controller runs them (a batch's tail waits for the next; the last is let
+    go at the end)."""
     monkeypatch.setattr(replay, "MIN_WINDOW", window)
     monkeypatch.setattr(config, "replay", True)
     outputs, hits = [], 0
@@ -73,8 +77,9 @@ def lower_both(batches, monkeypatch, window=8):
             r.advance = lambda *args: False
         out = []
         for batch in copy.deepcopy(batches):
-            r.run(batch, out)
+            r.run(batch, out, hold)
             hits += r.replayed if replays else 0
+        r.run([], out)
         outputs.append(out)
     return outputs[0], outputs[1], hits
 
@@ -207,6 +212,26 @@ def test_replayed_windows_equal_the_passes(monkeypatch):
     assert_same(replayed, lowered)
     assert hits >= 20
     assert sum(type(r) is not int and r[0] == P.REPLAY for r in replayed) == hits
+
+
+def test_a_batch_that_ends_inside_a_loop_holds_its_tail_for_the_next(monkeypatch):
+    """With ``hold`` the records after a batch's last window wait for the next batch, where they
+    begin a window: more windows replay, and the hosts get the same work; a tail with anything
+    but operators and releases (a sync) is not held."""
+    ids = Ids()
+    batches, x = [], 1
+    for n in (50, 37, 45, 29):  # each batch cut elsewhere in the period
+        batch, x = tensor_tensor_loop(ids, n, x, 2)
+        batches.append(batch)
+    replayed, lowered, hits = lower_both(batches, monkeypatch, hold=True)
+    assert_same(replayed, lowered)
+    assert hits > lower_both(batches, monkeypatch)[2]
+    g = make_graph()
+    r = Replayer(g, run_passes(g), Controller.encode)
+    r.run(copy.deepcopy(batches[0]), [], hold=True)
+    assert r.held
+    r.run(copy.deepcopy(batches[1]) + [[P.SYNC, 1]], [], hold=True)
+    assert not r.held
 
 
 def test_dead_code_inside_windows_is_dropped_as_the_passes_drop_it(monkeypatch):
@@ -370,6 +395,28 @@ def test_loops_equal_torch_with_replay(one):
     expected = loops(None, torch)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
+
+
+def test_a_held_tail_runs_without_a_next_batch(one, monkeypatch):
+    """The tail a batch holds for the next one (``Replayer.run``) is lowered alone once no batch
+    has come for ``HOLD_MS``: the devices run it before the program's next call."""
+    monkeypatch.setattr(config, "flush_delay_s", 60.0)  # the batches: 4096 records, then ours
+    a, b = dtorch.ones(8, device_mesh=one), dtorch.arange(8.0, device_mesh=one)
+    with dtorch.profiler.profile() as prof:
+        for _ in range(3000):
+            a = a * 0.999 + b
+        c = a - 1.0  # not the loop's: the last batch ends with a tail after its last window
+        session.current().flush()
+        time.sleep(0.5)  # no call: the controller alone has to let the tail go
+        dtorch.sync()
+    passes = [e for e in prof.events if e.get("ph") == "X" and e["name"].startswith("passes")]
+    alone = [e for e in passes if e["name"].startswith("passes: 0 records")]
+    assert len(alone) == 1, [e["name"] for e in passes]
+    assert alone[0]["ts"] + 300_000 < passes[-1]["ts"]  # long before the sync's batch (in us)
+    t = torch.ones(8)
+    for _ in range(3000):
+        t = t * 0.999 + torch.arange(8.0)
+    assert torch.equal(c.to_torch(), t - 1.0)
 
 
 def test_loops_equal_with_replay_off(replay_off):

@@ -43,6 +43,9 @@ from .passes import PASSES, Chain, StreamState
 from .replay import Replayer
 
 
+# how long the tail of a batch that ended inside a loop waits for the next batch, whose first
+# window it begins (``Replayer.run``), before it is lowered alone
+HOLD_MS = 10
 # A killed host's peers can see its sockets close (and report a failed collective) before its
 # life pipe closes: the kernel closes a dying process's files in fd order. A host's Fatal waits
 # this long for a death to blame first; a death waits this long for the peers' reports of the
@@ -109,7 +112,8 @@ class Controller:
     def run(self) -> None:
         interval_ms = int(config.heartbeat_interval_s * 1000)
         while self.running:
-            for sock, _ in self.poller.poll(interval_ms):
+            held = self.replayer.held
+            for sock, _ in self.poller.poll(HOLD_MS if held else interval_ms):
                 if sock is self.ops:
                     self.on_client_frame(self.ops.recv(copy=False))
                 elif sock is self.host_sock:
@@ -122,6 +126,8 @@ class Controller:
                     host = self.life_fds[sock]
                     if not host.child.read_life():
                         self.on_host_exit(host)
+            if held and self.replayer.held is held:  # no batch came to take them along
+                self.on_batch([], hold=False)
             self.check_hosts()
         self.stop()
 
@@ -134,7 +140,7 @@ class Controller:
             return
         self.on_batch(records)
 
-    def on_batch(self, records: list) -> None:
+    def on_batch(self, records: list, hold: bool = True) -> None:
         t0, started = time.perf_counter(), time.time_ns()  # the hosts' trace clock: time_ns
         # Definitions go first, as the client made them: a spec a redistribute's plan passes
         # through may carry the id of one the client defines later in the batch.
@@ -172,7 +178,7 @@ class Controller:
             else:
                 nodes.append(rec)
         records_out = definitions
-        self.replayer.run(nodes, records_out)
+        self.replayer.run(nodes, records_out, hold)
         replayed = self.replayer.replayed
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
             self.trace_events.append(
