@@ -25,8 +25,8 @@ class CallInfo(NamedTuple):
     flags: int
     reads: tuple  # where the tensor operands stand in an Operator's record
     scope: int  # the devices a host queues the kernel on, interned (LogicalGraph.scope)
-    # where the rest stands, for replay.shape_of: (reads, the scalar operands' places, the
-    # results' first place, the place after them), unpacked at once
+    # for replay.shape_of, unpacked at once: (reads, the scalar operands' places, the place
+    # after the results, which begin at P.OP_OUTS)
     places: tuple
 
     @classmethod
@@ -36,7 +36,7 @@ class CallInfo(NamedTuple):
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
         scalars = tuple(first + k for k, s in enumerate(inputs) if not s)
         return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope,
-                   (reads, scalars, P.OP_OUTS, first))
+                   (reads, scalars, first))
 
 
 class Operator:

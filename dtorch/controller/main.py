@@ -46,6 +46,7 @@ from .replay import Replayer
 # how long the tail of a batch that ended inside a loop waits for the next batch, whose first
 # window it begins (``Replayer.run``), before it is lowered alone
 HOLD_MS = 10
+
 # A killed host's peers can see its sockets close (and report a failed collective) before its
 # life pipe closes: the kernel closes a dying process's files in fd order. A host's Fatal waits
 # this long for a death to blame first; a death waits this long for the peers' reports of the

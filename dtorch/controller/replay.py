@@ -169,7 +169,7 @@ def shape_of(calls: dict, records: list):
     refs: dict = {}  # id -> its ref
     outside, made, scalars, key = [], [], [], []
     add = key.append
-    call_at, site_at = P.OP_CALL, P.OP_SITE
+    call_at, site_at, first_out = P.OP_CALL, P.OP_SITE, P.OP_OUTS
     # a ref's lookup is spelled out where it is needed, not a function: this runs for every
     # tensor of every record of a window, and is most of what a replay costs the controller
     for rec in records:
@@ -181,7 +181,7 @@ def shape_of(calls: dict, records: list):
             add(RELEASE)
             add(ref)
             continue
-        reads, scalars_at, first_out, end_out = calls[rec[call_at]].places
+        reads, scalars_at, end_out = calls[rec[call_at]].places
         add(rec[call_at])
         add(rec[site_at])
         for k in reads:
