@@ -7,7 +7,9 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   passes, as Graphviz DOT (``controller/dot.py``; ``dtorch.profiler.graph`` sets it for a
   block); None: nowhere.
 - cpu_hosts (DTORCH_CPU_HOSTS): host processes serving CPU devices (device d runs in host
-  d % cpu_hosts, on threads of its own); default: the number of cores, at most 8.
+  d % cpu_hosts, on threads of its own); default: the number of cores, at most 8. Each host
+  gives torch an equal share of the cores as intra-op threads, or ``OMP_NUM_THREADS`` where
+  that is set (read by torch, as in any torch program).
 - flush_records: records buffered before the client sends a batch.
 - flush_delay_s: how long the first record of a batch may wait for company.
 - bind_host (DTORCH_BIND_HOST): the address every socket binds to (zmq, gloo, the rendezvous

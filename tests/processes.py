@@ -97,10 +97,11 @@ def wait_until(condition, timeout: float, interval: float = 0.01) -> float:
 
 def run_client(code: str, timeout: float, args=(), env=None) -> dict:
     """Runs ``code`` as a client program in a fresh interpreter (``args`` in ``sys.argv[1:]``);
-    it reports by printing one JSON object on a line starting with ``RESULT``. Returns that
-    object."""
+    it reports by printing one JSON object on a line starting with ``RESULT``; ``env``: changes
+    to this process's environment, None removing a variable. Returns that object."""
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=TESTS_DIR, env={**os.environ, **(env or {})})
+                          timeout=timeout, cwd=TESTS_DIR, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])

@@ -4,8 +4,10 @@ picture of a batch's graph (``controller/dot.py``, also drawn here without a run
 
 import inspect
 import json
+import os
 import re
 
+import pytest
 import torch
 
 import dtorch
@@ -13,6 +15,7 @@ from dtorch import Partial, Replicate, Shard
 from dtorch.controller.dot import to_dot
 from dtorch.controller.passes import PASSES
 from dtorch.cuda import nvtx
+from processes import run_client
 from test_passes import make_graph, op
 
 
@@ -112,3 +115,29 @@ def test_a_collective_overlaps_independent_compute():
     torch.testing.assert_close(reduced.to_torch(), torch.ones(1 << 20))
     del product
 
+
+
+THREADS = """
+import json
+import dtorch
+
+mesh = dtorch.DeviceMesh("cpu", [0, 1])
+with dtorch.profiler.profile() as prof:
+    dtorch.ones(4, device_mesh=mesh).sum().item()
+threads = {e["pid"]: e["args"]["torch_threads"] for e in prof.events
+           if e["name"] == "process_name" and "torch_threads" in e["args"]}
+print("RESULT " + json.dumps(threads))
+"""
+
+
+def test_cpu_hosts_take_omp_num_threads_as_torch_does():
+    """A host's torch threads: an equal share of the cores, or ``OMP_NUM_THREADS`` where the
+    user set it (fewer than one host's share of two cores or more, so the test tells the two
+    apart)."""
+    if os.cpu_count() < 2:
+        pytest.skip("one core: every choice is one thread")
+    plain = {"DTORCH_CPU_HOSTS": "1", "OMP_NUM_THREADS": None}
+    share = run_client(THREADS, timeout=120, env=plain)
+    assert share == {"0": os.cpu_count(), "1": os.cpu_count()}
+    chosen = run_client(THREADS, timeout=120, env={**plain, "OMP_NUM_THREADS": "1"})
+    assert chosen == {"0": 1, "1": 1}

@@ -667,6 +667,7 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     if args.devices:
         config.machine_devices = tuple(int(n) for n in args.devices.split(":"))
     if args.device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
+        if not os.environ.get("OMP_NUM_THREADS"):  # torch has read the user's choice: it stands
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
         cpu_memory.keep_freed_blocks()
     Host(args.index, args.device_type, args.controller, keys).run()
