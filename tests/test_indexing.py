@@ -127,7 +127,8 @@ def test_getitem_errors(mesh1):
     i16, f32 = torch.tensor([1], dtype=torch.int16), torch.tensor([1.0])
     for bad in (7, (0, 0, 0, 0), 1.5, (slice(None), slice(None, None, -1)),
                 (i16,), (i16, slice(None, None, 0)), (f32, 9),  # the slice's, the int's error
-                slice(1.5, -1, 0), slice(0, 1.5, 0), slice(1, 1.5, -1)):  # types before step
+                slice(1.5, -1, 0), slice(0, 1.5, 0), slice(1, 1.5, -1),  # types before step
+                slice(-1, 1.5, 0), slice(-1, "a", 0)):  # torch's -1 quirk: the step's error
         assert torch_expected(lambda v: v[bad], [t], [x]) is TORCH_RAISED
     with pytest.raises(IndexError, match="mask"):
         x[torch.tensor([True, False])]

@@ -306,11 +306,7 @@ def _as_index(it):
     if isinstance(it, (Tensor, torch.Tensor)):
         return it
     if isinstance(it, slice):  # checked here, in the index's order, as torch does
-        start, stop, step = (_slice_int(v) for v in (it.start, it.stop, it.step))
-        if step is not None and step <= 0:
-            raise ValueError("slice step cannot be zero" if step == 0 else
-                             "step must be greater than zero")
-        return slice(start, stop, step)
+        return _as_slice(it)
     if it is None or it is Ellipsis or hasattr(type(it), "__index__"):
         return it
     error = TypeError if isinstance(it, str) else IndexError  # as torch: a str is no sequence
@@ -368,6 +364,23 @@ def _mask_indices(mask, x: Tensor, dim: int) -> list:
                          f"the indexed tensor {list(x.shape)} at index {dim}")
     values = mask.to_torch() if isinstance(mask, Tensor) else mask
     return list(torch.nonzero(values, as_tuple=True))
+
+
+def _as_slice(it: slice) -> slice:
+    """A slice's bounds as ints, or torch's error. torch reads the step first and, when it is
+    zero, notes the ValueError and reads on: a start or stop that is no integer replaces it with
+    a TypeError, and a start or stop of -1 raises it at once (CPython's test for a failed read,
+    -1 with an error pending), as ``x[-1:1.5:0]`` does."""
+    step = _slice_int(it.step)
+    bounds = []
+    for v in (it.start, it.stop):
+        bounds.append(_slice_int(v))
+        if step == 0 and bounds[-1] == -1:
+            break
+    if step is not None and step <= 0:
+        raise ValueError("slice step cannot be zero" if step == 0 else
+                         "step must be greater than zero")
+    return slice(*bounds, step)
 
 
 def _slice_int(v):
