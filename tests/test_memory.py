@@ -96,10 +96,18 @@ def loop(n):
             assert acc.redistribute(placements=[Replicate()]).sum().item() == (i + 2) * 32768
     return acc
 
-for _ in range(2):  # warm: caches, allocator pools, threads, and the loop's fused code (the
-    # hosts' compiler and its modules come once, and cost a host about 140 MB)
-    assert loop(N).sum().item() == 2 * 16384 * (N + 1)
-    dtorch.sync(compiles=True)
+# warm: caches, allocator pools, threads, and the loop's fused code (the hosts' compiler and
+# its modules come once, and cost a host about 140 MB): until a loop runs fused code and starts
+# no compile, since how many loops make it hot depends on the machine (config.fusion_after_s)
+deadline, warm = time.monotonic() + 120, 0
+while warm < 2 or dtorch.config.fusion and time.monotonic() < deadline:
+    with dtorch.profiler.profile() as prof:
+        assert loop(N).sum().item() == 2 * 16384 * (N + 1)
+        dtorch.sync(compiles=True)
+    warm += 1
+    names = [e["name"] for e in prof.kernels()]
+    if any("fused)" in n for n in names) and not any(n.startswith("fused ") for n in names):
+        break
 controller, hosts = runtime_pids()
 pids = [controller, *hosts]
 before = [rss_kb(p) for p in pids]
