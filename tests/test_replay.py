@@ -449,8 +449,9 @@ def test_an_error_inside_replayed_windows_names_its_line(one):
     acc = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
     for _ in range(2000):
         acc = acc + x
-    line = inspect.currentframe().f_lineno + 2
-    for _ in range(2000):
+    line = inspect.currentframe().f_lineno + 3
+    # enough windows for the host to run them as generated code (program.STRAIGHT_AFTER)
+    for _ in range(5000):
         acc = acc + x // zero  # fails on the host, every time
     with pytest.raises(RuntimeError, match="floor_divide") as info:
         acc.to_torch()
@@ -510,6 +511,30 @@ def test_random_loop_bodies_equal_torch(seed, layout, one, mesh1):
         assert replayed_windows(prof) > 0, body
 
 
+def test_a_kernel_that_fails_in_hot_windows_spares_what_does_not_depend_on_it(one):
+    """Windows replayed often enough to run as generated code (``program.STRAIGHT_AFTER``),
+    where one kernel raises every time: its results carry the error, named at its line, and
+    the loop's other work goes on right."""
+    zero = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
+    x = dtorch.ones(4, dtype=torch.int64, device_mesh=one)
+    acc, kept = dtorch.zeros(4, dtype=torch.int64, device_mesh=one), []
+    with dtorch.profiler.profile() as prof:
+        for _ in range(3000):
+            acc = acc + x
+            kept.append(x // zero + 1); line = inspect.currentframe().f_lineno  # // fails
+            acc = acc * 1
+        with pytest.raises(RuntimeError, match="floor_divide") as info:  # told at the next wait
+            dtorch.sync()
+        assert "more kernel errors" not in str(info.value)  # the add carried it on, quietly
+    assert replayed_windows(prof) > 32
+    assert torch.equal(acc.to_torch(), torch.full((4,), 3000))
+    for t in (kept[0], kept[-1]):
+        with pytest.raises(RuntimeError, match="floor_divide") as info:
+            t.to_torch()
+        assert f"test_replay.py:{line}" in str(info.value)
+    dtorch.sync()
+
+
 def test_a_failed_input_poisons_the_replayed_windows_quietly(one):
     """An input that failed before the loop: every window reading it carries that failure on,
     and the client hears of it once, at the line that failed."""
@@ -517,7 +542,7 @@ def test_a_failed_input_poisons_the_replayed_windows_quietly(one):
     bad = dtorch.ones(4, dtype=torch.int64, device_mesh=one) // zero; line = inspect.currentframe().f_lineno
     acc = dtorch.zeros(4, dtype=torch.int64, device_mesh=one)
     with dtorch.profiler.profile() as prof:
-        for _ in range(2000):
+        for _ in range(5000):  # (windows enough to run as generated code: STRAIGHT_AFTER)
             acc = acc + bad
         with pytest.raises(RuntimeError, match="floor_divide") as info:
             acc.to_torch()

@@ -43,7 +43,7 @@ import torch
 
 from .. import config, protocol as P
 from . import cuda_graphs
-from .program import MADE, OUTSIDE, SCALAR, Step, mark_frees
+from .program import MADE, OUTSIDE, SCALAR, Lowering, Step, mark_frees
 
 EXACT = frozenset({  # registry names
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "square", "reciprocal", "maximum",
@@ -169,10 +169,10 @@ class Hot:
     """Fusion's state for one program on one device: the unfused lowering, the run of replays
     with the same scalars so far, and the fused lowering once compiled (for ``scalars``)."""
 
-    __slots__ = ("plain", "reads", "scalars", "streak", "spent", "fused", "asked")
+    __slots__ = ("plain", "scalars", "streak", "spent", "fused", "asked")
 
-    def __init__(self, plain, reads):
-        self.plain, self.reads = plain, reads
+    def __init__(self, plain: Lowering):
+        self.plain = plain
         self.scalars, self.streak = None, 0  # scalars: packed (Fuser.lowering)
         self.spent = 0.0  # seconds its unfused runs took on the stream (ProgramRun adds them)
         self.fused = None  # the lowering with Fused steps, for self.scalars
@@ -198,7 +198,7 @@ class Probe:
         """Before step ``index`` runs: if it starts a segment, copy that segment's inputs
         (None if one failed: that segment is not compiled)."""
         if index == 0 and self.graph_inputs == []:
-            self.graph_inputs = _copies([(OUTSIDE, j) for j in self.hot.reads], values,
+            self.graph_inputs = _copies([(OUTSIDE, j) for j in self.hot.plain.reads], values,
                                         outside)
         n = self.starts.get(index)
         if n is not None:
@@ -245,42 +245,41 @@ class Fuser:
         return P.pack(scalars) if config.fusion else b""
 
     def lowering(self, program, dev, scalars, same: bytes):
-        """``(steps, reads, probe, hot)`` for one replay of ``program`` on ``dev`` with these
+        """``(lowering, probe, hot)`` for one replay of ``program`` on ``dev`` with these
         ``scalars`` (``same``: their ``scalars_key``): the fused lowering if one is ready for
         them; a Probe when this run makes the program hot; the Hot whose time the run counts
         while it may still become hot (else None)."""
-        steps, reads, probe, hot = self._lowering(program, dev, scalars, same)
-        return steps, reads, probe, None if hot.asked or not config.fusion else hot
+        lowering, probe, hot = self._lowering(program, dev, scalars, same)
+        return lowering, probe, None if hot.asked or not config.fusion else hot
 
     def _lowering(self, program, dev, scalars, same):
         key = (program.definition.id, dev.index)
         hot = self.hot.get(key)
         if hot is None:
-            hot = self.hot[key] = Hot(*program.lower(dev))
+            hot = self.hot[key] = Hot(program.lower(dev))
         if hot.asked and hot.fused is None or not config.fusion:
-            return hot.plain, hot.reads, None, hot
+            return hot.plain, None, hot
         if same == hot.scalars:
             if hot.fused is not None:
-                return hot.fused, hot.reads, None, hot
+                return hot.fused, None, hot
             hot.streak += 1
         elif hot.asked:
-            return hot.plain, hot.reads, None, hot
+            return hot.plain, None, hot
         else:
             hot.scalars, hot.streak = same, 1
         if hot.streak < config.fusion_after or hot.spent < config.fusion_after_s:
-            return hot.plain, hot.reads, None, hot
+            return hot.plain, None, hot
         hot.asked = True
         survivors = set(program.survivors)
-        found = segments(hot.plain, survivors)
+        found = segments(hot.plain.steps, survivors)
         graph = (dev.torch_device.type == "cuda" and config.cuda_graphs
-                 and cuda_graphs.capturable(hot.plain))
+                 and cuda_graphs.capturable(hot.plain.steps))
         if not found and not graph:
-            return hot.plain, hot.reads, None, hot
+            return hot.plain, None, hot
         with self._lock:
             self.busy += 1
         self._start()
-        return hot.plain, hot.reads, Probe(self, hot, dev, tuple(scalars), found, survivors,
-                                           graph), hot
+        return hot.plain, Probe(self, hot, dev, tuple(scalars), found, survivors, graph), hot
 
     def when_idle(self, callback) -> None:
         """Calls ``callback()`` once no compile is queued or running (at once if none is)."""
@@ -329,7 +328,7 @@ class Fuser:
 
         t0 = time.time_ns()
         # copies: the unfused lowering's steps may be running on the stream meanwhile
-        hot, steps = probe.hot, [copy.copy(step) for step in probe.hot.plain]
+        hot, steps = probe.hot, [copy.copy(step) for step in probe.hot.plain.steps]
         fused = 0
         for (first, end, inputs, outputs), args in reversed(list(zip(probe.segments,
                                                                      probe.captured))):
@@ -359,7 +358,8 @@ class Fuser:
         if graph is not None:
             steps, name = [graph], name + ", captured as a CUDA graph"
         if fused or graph is not None:
-            hot.fused = steps  # the main thread's next replay with these scalars runs it
+            # the main thread's next replay with these scalars runs it
+            hot.fused = Lowering(steps, hot.plain.reads, hot.plain.survivors)
         tracer = self.host.tracer
         if tracer is not None:
             tracer.events.append((name, probe.dev.index, P.FUSION_TRACK, t0, time.time_ns(), 0))
@@ -368,7 +368,7 @@ class Fuser:
         """The whole lowering ``steps`` as one step that launches a CUDA graph, or None."""
         made_here = {ref for step in steps for ref in step.outs}
         outputs = [ref for ref in sorted(probe.survivors) if ref in made_here]
-        inputs = [(OUTSIDE, j) for j in probe.hot.reads]
+        inputs = [(OUTSIDE, j) for j in probe.hot.plain.reads]
         run = steps_function(steps, inputs, outputs, probe.scalars)
         captured = cuda_graphs.capture(run, probe.graph_inputs, probe.dev.torch_device)
         if captured is None:

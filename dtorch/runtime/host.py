@@ -443,9 +443,9 @@ class Host:
         outside_ids, made, scalars = program.bind(rec)
         runs, same = [], self.fuser.scalars_key(scalars)
         for dev in program.devices:
-            steps, reads, probe, hot = self.fuser.lowering(program, dev, scalars, same)
+            lowering, probe, hot = self.fuser.lowering(program, dev, scalars, same)
             blobs, outside = dev.blobs, [None] * program.n_outside
-            for j in reads:
+            for j in lowering.reads:
                 outside[j] = b = blobs.get(outside_ids[j])
                 if b is None:  # not this runtime's tensor: the kernels report it, as usual
                     for p in [probe] + [p for _, _, _, p, _ in runs]:
@@ -454,8 +454,8 @@ class Host:
                     for r in program.expand(rec):
                         self.on_release(r) if type(r) is int else self.on_kernel(r)
                     return
-            runs.append((dev, steps, outside, probe, hot))
-        for dev, steps, outside, probe, hot in runs:
+            runs.append((dev, lowering, outside, probe, hot))
+        for dev, lowering, outside, probe, hot in runs:
             survivors = {}
             for k in program.survivors:
                 spec, out_devices = program.survivor_specs[k]
@@ -463,7 +463,7 @@ class Host:
                     dev.blobs[made[k]] = survivors[k] = Blob(spec, memory=dev.memory)
                     self.owners[made[k]] = out_devices
             dev.stream(program.stream).put(
-                ProgramRun(steps, outside, survivors, (outside_ids, made), scalars, self, probe,
+                ProgramRun(lowering, outside, survivors, (outside_ids, made), scalars, self, probe,
                            hot))
         for j in program.released:
             self.on_release(outside_ids[j])

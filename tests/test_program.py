@@ -1,0 +1,144 @@
+"""A host's replayed program (``runtime/program.py``) without a runtime: the generated function
+(``straight_line``) a hot lowering runs does what the loop does, failures included: the same
+values, the same blobs, the same errors reported once each."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dtorch.runtime.program import (
+    MADE,
+    OUTSIDE,
+    SCALAR,
+    STRAIGHT_AFTER,
+    Failed,
+    Lowering,
+    ProgramRun,
+    Step,
+    mark_frees,
+    straight_line,
+)
+from dtorch.runtime.stream import Blob
+
+
+def kernel(name, fn, **kwargs):
+    return SimpleNamespace(name=name, fn=fn, kwargs=kwargs)
+
+
+def fail(x, y):
+    raise ValueError("no such thing")
+
+
+ADD = kernel("add", torch.add)
+MUL = kernel("mul", torch.mul)
+SPLIT = kernel("split", lambda x: tuple(torch.split(x, 2)))
+ADD_ALPHA = kernel("add", torch.add, alpha=2)
+FAIL = kernel("fail", fail)
+ADD_ = kernel("add_", lambda x, y: x.add_(y))
+WITH_CTX = kernel("scale", lambda ctx, x: x * ctx)
+
+
+def program(failing: bool = False) -> tuple:
+    """``(steps, reads, survivors)``: outside inputs 0 and 1, scalar 0; results 0..6."""
+    steps = [
+        Step(ADD, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),           # r0 = o0 + s0
+        Step(FAIL if failing else MUL, None, ((MADE, 0), (OUTSIDE, 1)), 2, (1,)),  # r1
+        Step(SPLIT, None, ((MADE, 1),), 3, (2, 3)),                       # r2, r3 = split(r1)
+        Step(ADD_ALPHA, None, ((MADE, 2), (MADE, 3)), 4, (4,)),           # r4 = r2 + 2 r3
+        Step(ADD_, None, ((OUTSIDE, 1), (MADE, 0)), 5, (-2,)),            # o1 += r0
+        Step(WITH_CTX, 3.0, ((OUTSIDE, 1),), 6, (5,)),                    # r5 = 3 o1
+        Step(ADD, None, ((OUTSIDE, 0), (OUTSIDE, 0)), 7, (6,)),           # r6: no failed input
+    ]
+    mark_frees(steps)
+    return steps, [0, 1], {4, 5, 6}
+
+
+class Host:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(tuple(message))
+
+
+def run(fast: bool, failing=False, outside_error=None) -> tuple:
+    """One run, through the generated function or the loop: (survivor blobs, outside blobs,
+    what the host sent)."""
+    steps, reads, survivors = program(failing)
+    lowering = Lowering(steps, reads, survivors)
+    if fast:
+        lowering.fast = straight_line(steps, reads, survivors)
+    outside = [Blob(None, torch.arange(4.0)), Blob(None, torch.ones(4))]
+    outside[0].error = outside_error
+    blobs = {k: Blob(None) for k in survivors}
+    host = Host()
+    ProgramRun(lowering, outside, blobs, ([10, 11], [20 + k for k in range(7)]), [0.5],
+               host)()
+    assert (lowering.fast is not None) == fast
+    return blobs, outside, host.sent
+
+
+def state(blobs) -> dict:
+    return {k: b.error if b.error is not None else b.tensor.tolist() for k, b in blobs.items()}
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_generated_function_does_what_the_loop_does(failing):
+    fast_blobs, fast_outside, fast_sent = run(True, failing)
+    loop_blobs, loop_outside, loop_sent = run(False, failing)
+    assert state(fast_blobs) == state(loop_blobs)
+    assert state(dict(enumerate(fast_outside))) == state(dict(enumerate(loop_outside)))
+    assert fast_sent == loop_sent
+    if not failing:
+        o0, o1 = torch.arange(4.0), torch.ones(4)
+        r1 = (o0 + 0.5) * o1
+        assert fast_blobs[4].tensor.tolist() == (r1[:2] + 2 * r1[2:]).tolist()
+        assert fast_outside[1].tensor.tolist() == (o1 + o0 + 0.5).tolist()
+        assert fast_blobs[5].tensor.tolist() == (3 * (o1 + o0 + 0.5)).tolist()
+        assert fast_sent == []
+    else:
+        # the kernel's error is told once, naming its site and first result; what depends on
+        # it carries it, what does not (the in-place add, r5, r6) ran
+        assert len(fast_sent) == 1 and fast_sent[0][1:] == (2, "fail", "ValueError: no such "
+                                                                        "thing", 21)
+        assert fast_blobs[4].error == (2, "fail", "ValueError: no such thing")
+        assert fast_blobs[5].error is None and fast_blobs[6].error is None
+        assert fast_blobs[6].tensor.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_an_outside_input_that_failed_hands_the_run_to_the_loop():
+    error = (9, "earlier", "RuntimeError: boom")
+    fast_blobs, _, fast_sent = run(True, outside_error=error)
+    loop_blobs, _, loop_sent = run(False, outside_error=error)
+    assert state(fast_blobs) == state(loop_blobs)
+    assert fast_sent == loop_sent == []
+    assert fast_blobs[4].error == fast_blobs[6].error == error
+    assert fast_blobs[5].error == error  # o1 += r0, and r0 failed
+
+
+def test_temporaries_are_dropped_after_their_last_use():
+    """The values list holds no temporary once the run is over: each was dropped after the
+    step that read it last (survivors live on in their blobs)."""
+    steps, reads, survivors = program()
+    lowering = Lowering(steps, reads, survivors)
+    lowering.fast = straight_line(steps, reads, survivors)
+    values = [None] * 7
+    outside = [Blob(None, torch.arange(4.0)), Blob(None, torch.ones(4))]
+    task = ProgramRun(lowering, outside, {k: Blob(None) for k in survivors}, ([0, 1], [0] * 7),
+                      [0.5], Host())
+    task._run_all(values)
+    assert lowering.fast is not None
+    assert [v is None for v in values] == [True, True, True, True, False, False, False]
+    assert not any(type(v) is Failed for v in values)
+
+
+def test_a_lowering_is_generated_once_it_has_run_often():
+    steps, reads, survivors = program()
+    lowering = Lowering(steps, reads, survivors)
+    for _ in range(STRAIGHT_AFTER - 1):
+        assert lowering.fast_function() is None
+    fast = lowering.fast_function()
+    assert fast is not None and lowering.fast_function() is fast
