@@ -9,12 +9,11 @@ lookup per outside input and one blob per result left alive, and its stream one 
 made or task queued per kernel, and each temporary freed right after its last use.
 
 From its ``STRAIGHT_AFTER``-th run on, a lowering runs as one generated Python function
-(``straight_line``):
-its steps unrolled, each operand's source and each result's place written into the code. What
-a kernel costs the stream beside torch's own call drops from 1.4-1.8 µs (a loop interpreting
-the steps) to 0.1-0.2 µs (64 adds of 8 floats, where torch's own call takes 1.5-2.0). The loop
-(``ProgramRun._run``) stays for the first run, for a run that copies inputs for the compiler,
-and for everything after a failure.
+(``straight_line``): its steps unrolled, each operand's source and each result's place written
+into the code. What a kernel costs the stream beside torch's own call drops from 1.4-1.8 µs (a
+loop interpreting the steps) to 0.1-0.2 µs (64 adds of 8 floats, where torch's own call takes
+1.5-2.0). The loop (``ProgramRun._run``) stays for the runs before, for a run that copies
+inputs for the compiler, and for everything after a failure.
 
 Failures behave as in ``KernelRun``: a kernel that raises reports its error (naming its site and
 first result) and every result depending on it carries that error on, quietly.
