@@ -410,9 +410,11 @@ def test_a_held_tail_runs_without_a_next_batch(one, monkeypatch):
         time.sleep(0.5)  # no call: the controller alone has to let the tail go
         dtorch.sync()
     passes = [e for e in prof.events if e.get("ph") == "X" and e["name"].startswith("passes")]
+    # (a slow machine may let a tail go between two of the loop's batches too: the controller
+    # lets it go whenever it wakes without a batch, and batches may come more than HOLD_MS apart)
     alone = [e for e in passes if e["name"].startswith("passes: 0 records")]
-    assert len(alone) == 1, [e["name"] for e in passes]
-    assert alone[0]["ts"] + 300_000 < passes[-1]["ts"]  # long before the sync's batch (in us)
+    assert alone, [e["name"] for e in passes]
+    assert alone[-1]["ts"] + 300_000 < passes[-1]["ts"]  # long before the sync's batch (in us)
     t = torch.ones(8)
     for _ in range(3000):
         t = t * 0.999 + torch.arange(8.0)
