@@ -185,13 +185,12 @@ class Probe:
     compiler."""
 
     __slots__ = ("fuser", "hot", "dev", "scalars", "segments", "starts", "captured",
-                 "survivors", "graph_inputs")
+                 "graph_inputs")
 
-    def __init__(self, fuser, hot, dev, scalars, found, survivors, graph):
+    def __init__(self, fuser, hot, dev, scalars, found, graph):
         self.fuser, self.hot, self.dev, self.scalars = fuser, hot, dev, scalars
         self.segments, self.starts = found, {seg[0]: n for n, seg in enumerate(found)}
         self.captured = [None] * len(found)
-        self.survivors = survivors
         self.graph_inputs = [] if graph else None  # [] until copied, None: no graph wanted
 
     def capture(self, index, values, outside) -> None:
@@ -270,8 +269,7 @@ class Fuser:
         if hot.streak < config.fusion_after or hot.spent < config.fusion_after_s:
             return hot.plain, None, hot
         hot.asked = True
-        survivors = set(program.survivors)
-        found = segments(hot.plain.steps, survivors)
+        found = segments(hot.plain.steps, hot.plain.survivors)
         graph = (dev.torch_device.type == "cuda" and config.cuda_graphs
                  and cuda_graphs.capturable(hot.plain.steps))
         if not found and not graph:
@@ -279,7 +277,7 @@ class Fuser:
         with self._lock:
             self.busy += 1
         self._start()
-        return hot.plain, Probe(self, hot, dev, tuple(scalars), found, survivors, graph), hot
+        return hot.plain, Probe(self, hot, dev, tuple(scalars), found, graph), hot
 
     def when_idle(self, callback) -> None:
         """Calls ``callback()`` once no compile is queued or running (at once if none is)."""
@@ -367,7 +365,7 @@ class Fuser:
     def _graph(self, probe: Probe, steps):
         """The whole lowering ``steps`` as one step that launches a CUDA graph, or None."""
         made_here = {ref for step in steps for ref in step.outs}
-        outputs = [ref for ref in sorted(probe.survivors) if ref in made_here]
+        outputs = [ref for ref in sorted(probe.hot.plain.survivors) if ref in made_here]
         inputs = [(OUTSIDE, j) for j in probe.hot.plain.reads]
         run = steps_function(steps, inputs, outputs, probe.scalars)
         captured = cuda_graphs.capture(run, probe.graph_inputs, probe.dev.torch_device)
