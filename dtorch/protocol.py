@@ -5,15 +5,17 @@ Every socket is authenticated and encrypted (ZeroMQ CURVE, keys per runtime; see
 
 Every message is a tuple whose first field is its tag; batches are msgpack lists of records, sent
 as one frame. Nothing is ever pickled. The hot records stay small and flat: an operator is
-``(OP, call_id, site, stream, *out_ids, *operands)`` where operands are tensor ids and Python
+``(OP, call_id, site, graph, *out_ids, *operands)`` where operands are tensor ids and Python
 scalars (how many of each, and which is which, is fixed by the call template), and a release is a
-bare int (the tensor id). The controller turns an OP record into the hosts' KERNEL record in
-place: it sets the tag and the stream, and puts a WAIT record before it when it must wait for
+bare int (the tensor id). ``graph`` is the id of the dtorch.Graph the issuing thread issues to
+(each record carries its own, so threads issuing at once never move each other's operators onto
+another graph). The controller turns an OP record into the hosts' KERNEL record in place: it sets
+the tag, replaces the graph by the stream, and puts a WAIT record before it when it must wait for
 other streams.
 
 Client -> controller (a batch of records):
     DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
-    Op, release (int), Fetch, Sync, SetGraph, Shutdown
+    Op, release (int), Fetch, Sync, Shutdown
 Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait when it must wait
     for other streams), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
@@ -65,7 +67,8 @@ STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"
 VJP_PREFIX = "vjp:"  # DefineCall.op of a vector-Jacobian product ("vjp:<forward call id>")
 
 # tags
-DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC, SET_GRAPH, SHUTDOWN = range(8)
+DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC = range(6)
+SHUTDOWN = 7  # (6 was a record that switched the graph; operators now carry theirs)
 KERNEL, WAIT = 8, 9
 VALUE, FETCH_FAILED, KERNEL_ERROR, SYNCED, HOST_READY, WELCOME, FATAL = range(10, 17)
 CHAIN = 17
@@ -143,7 +146,7 @@ class DefineProgram(NamedTuple):
 
 # Replay: (REPLAY, program, *outside ids, *result ids, *scalar values)   controller -> hosts
 #         one window of a DefineProgram's shape, its ids and values bound in order
-# Op:     (OP, call, site, 0, *outs, *operands)       client -> controller
+# Op:     (OP, call, site, graph, *outs, *operands)   client -> controller
 # Kernel: (KERNEL, call, site, stream, *outs, *operands) controller -> hosts
 #         ``site`` indexes the client's table of the user's file:line, echoed back in errors.
 #         The record stays a flat tuple (the hot path builds one per operator); its fields are
@@ -154,7 +157,9 @@ class DefineProgram(NamedTuple):
 #         streams (the host records an Event on each).
 
 
-OP_CALL, OP_SITE, OP_STREAM, OP_OUTS = 1, 2, 3, 4  # OP_OUTS: the first result's id
+# OP_STREAM holds an Op's graph until the controller assigns the stream; OP_OUTS: the first
+# result's id
+OP_CALL, OP_SITE, OP_STREAM, OP_OUTS = 1, 2, 3, 4
 
 
 def op_outs(rec, n_outs: int):
@@ -188,11 +193,6 @@ class Sync(NamedTuple):
     tag: int
     token: int
     compiles: int = 0  # 1: hosts also wait for the kernel fusions started so far to be done
-
-
-class SetGraph(NamedTuple):
-    tag: int
-    graph: int
 
 
 class HostFetch(NamedTuple):

@@ -304,6 +304,26 @@ def assert_close(actual, expected, exact: bool = False, equal_nan: bool = False)
     torch.testing.assert_close(value, expected, equal_nan=equal_nan, **tol)
 
 
+def assert_within_torch_error(actual, reference, torch_result, factor: float = 4.0) -> None:
+    """``actual`` is as close to ``reference`` (the same computation in float64) as torch's own
+    result in ``actual``'s dtype is, within ``factor``: the tolerance comes from the error the
+    computation has on this machine (another summation order, such as a ring's blockwise
+    log-sum-exp, may round differently), plus a few units in the last place of the values, for
+    results torch happens to get exact. The dtypes and shapes must match torch's."""
+    value = actual.to_torch() if isinstance(actual, dtorch.Tensor) else actual
+    assert value.shape == torch_result.shape and value.dtype == torch_result.dtype, (
+        value.shape, value.dtype, torch_result.shape, torch_result.dtype)
+    reference = reference.double()
+    torch_error = (torch_result.double() - reference).abs().max().item()
+    ulps = 4 * torch.finfo(value.dtype).eps * reference.abs().max().item()
+    bound = factor * torch_error + ulps
+    error = (value.double() - reference).abs()
+    assert error.max().item() <= bound, (
+        f"{(error > bound).sum().item()} of {error.numel()} elements are off by up to "
+        f"{error.max().item():.3g} from the float64 reference; torch's own {value.dtype} result "
+        f"is off by {torch_error:.3g}, so the bound is {bound:.3g}")
+
+
 TORCH_RAISED = object()  # what torch_expected returns when torch raised
 
 

@@ -1,5 +1,7 @@
 """Context parallelism in scaled_dot_product_attention: Ulysses, Ring and both, against torch's
-attention on the same whole inputs (float32, atol = rtol = 1e-5), forward and backward."""
+attention on the same whole inputs, forward and backward: each result as close to the float64
+computation as torch's own result in the same dtype, within a small factor (a ring sums its
+blocks in another order, so it rounds differently, not worse)."""
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ from dtorch import Replicate, Shard
 from dtorch.nn.functional import SdpaOption
 from dtorch.ops.attention import _visible, zigzag
 from dtorch.placement import chunk_range
+from helpers import assert_within_torch_error
 
 R = Replicate()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -46,29 +49,39 @@ def inputs(n=2, hq=4, hk=4, length=8, e=8, s=None, ev=None, seed=0, dtype=torch.
 
 
 def check(mesh, q_places, kv_places=None, *, causal=True, scale=None, hq=4, hk=4, length=8,
-          s=None, ev=None, option=None, dtype=torch.float32, tol=1e-5):
+          s=None, ev=None, option=None, dtype=torch.float32):
     """The output and the gradients of query, key and value (the backward is the ring, or the
-    exchanges, again) against torch's on the whole inputs."""
-    q, k, v = (t.requires_grad_() for t in inputs(hq=hq, hk=hk, length=length, s=s, ev=ev,
-                                                  dtype=dtype))
+    exchanges, again) against the float64 attention of the whole inputs, bounded by torch's
+    own error in ``dtype`` (``assert_within_torch_error``)."""
     gqa = hq != hk
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                            scale=scale, enable_gqa=gqa)
-    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    want.backward(grad)
+
+    def attention(q, k, v, grad):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                               scale=scale, enable_gqa=gqa)
+        out.backward(grad)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    q, k, v = inputs(hq=hq, hk=hk, length=length, s=s, ev=ev, dtype=dtype)
+    grad = torch.randn(q.shape[:-1] + v.shape[-1:],
+                       generator=torch.Generator().manual_seed(1)).to(dtype)
+    theirs = attention(q, k, v, grad)
+    reference = attention(*(t.double() for t in (q, k, v, grad)))
     kv_places = q_places if kv_places is None else kv_places
-    dq = dtorch.from_torch(q.detach(), device_mesh=mesh, placements=q_places)
-    dk, dv = (dtorch.from_torch(t.detach(), device_mesh=mesh, placements=kv_places)
-              for t in (k, v))
+    dq = dtorch.from_torch(q, device_mesh=mesh, placements=q_places)
+    dk, dv = (dtorch.from_torch(t, device_mesh=mesh, placements=kv_places) for t in (k, v))
     for t in (dq, dk, dv):
         t.requires_grad_()
     out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, scale=scale,
                                          enable_gqa=gqa, sdpa_option=option)
     assert out.placements == list(q_places)
-    torch.testing.assert_close(out.to_torch(), want, atol=tol, rtol=tol)
     out.backward(dtorch.from_torch(grad, device_mesh=mesh, placements=q_places))
-    for mine, theirs in zip((dq, dk, dv), (q, k, v)):
-        torch.testing.assert_close(mine.grad.to_torch(), theirs.grad, atol=tol, rtol=tol)
+    mine = (out, dq.grad, dk.grad, dv.grad)
+    for name, m, t, r in zip(("output", "dq", "dk", "dv"), mine, theirs, reference):
+        try:
+            assert_within_torch_error(m, r, t)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
 
 
 CASES = [  # mesh, query placements, key/value placements (None: the query's), length, heads
@@ -145,7 +158,7 @@ def test_value_embedding_and_dtype(meshes):
     accumulators, rounded once)."""
     check(meshes["uly_ring"], [S2, S2], ev=5, length=9)
     check(meshes["ring3"], [S2], causal=False, ev=3)
-    check(meshes["ring_uly"], [S2, S2], length=16, dtype=torch.bfloat16, tol=2e-2)
+    check(meshes["ring_uly"], [S2, S2], length=16, dtype=torch.bfloat16)
 
 
 def test_option_names_the_dims(meshes):

@@ -15,7 +15,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.client import session
+from dtorch.client import session, sites
 import extension_kernels as K
 from helpers import assert_close
 from processes import CLIENT_PRELUDE, run_client
@@ -131,7 +131,7 @@ def test_each_call_site_is_named_however_the_op_is_reached():
 def test_call_sites_of_code_compiled_again_and_again_stay_right(monkeypatch):
     """The client keeps at most MAX_CODES code objects for its site lookup; past that it starts
     again, and every site is still named right."""
-    monkeypatch.setattr(session, "MAX_CODES", 3)
+    monkeypatch.setattr(sites, "MAX_CODES", 3)
     s = session.current()
     for k in range(8):  # 8 code objects, of 2 file names
         code = compile("t = dtorch.tensor([1]) // 0", f"<compiled {k % 2}>", "exec")
@@ -140,7 +140,7 @@ def test_call_sites_of_code_compiled_again_and_again_stay_right(monkeypatch):
         with pytest.raises(RuntimeError, match=f"<compiled {k % 2}>:1"):
             value(scope["t"])
         dtorch.sync()
-        assert len(s.codes) <= 3
+        assert len(s.call_sites.codes) <= 3
 
 
 def test_an_op_called_straight_from_c_is_issued_with_no_site():

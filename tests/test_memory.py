@@ -75,10 +75,10 @@ def test_waits_leave_no_client_bookkeeping():
     dtorch.sync()
     assert s.pending == {} and s.errors == []
     assert len(s.records) < 10  # at most the releases issued since the last flush
-    sites = len(s.sites)
+    sites = len(s.call_sites.sites)
     for k in range(100):
         (x * k).redistribute(placements=[Replicate()]).sum().item()
-    assert len(s.sites) == sites + 1  # one call site more, not one per call
+    assert len(s.call_sites.sites) == sites + 1  # one call site more, not one per call
     assert s.pending == {}
 
 

@@ -35,8 +35,8 @@ def make_graph(n_devices=2):
     return g
 
 
-def op(g, call, out, *operands):
-    return Operator(g.calls[call], [P.OP, call, 0, 0, out, *operands])
+def op(g, call, out, *operands, graph=0):
+    return Operator(g.calls[call], [P.OP, call, 0, graph, out, *operands])
 
 
 def kinds(nodes):
@@ -130,9 +130,7 @@ class Program:
         self.g, self.nodes = g or stream_graph(), []
 
     def issue(self, kind, call, out, *operands) -> Operator:
-        if kind != "comm":
-            self.nodes.append([P.SET_GRAPH, 0 if kind == "A" else 1])
-        node = op(self.g, call, out, *operands)
+        node = op(self.g, call, out, *operands, graph=1 if kind == "B" else 0)
         self.nodes.append(node)
         return node
 
@@ -333,7 +331,6 @@ def test_a_chain_never_absorbs_a_kernel_that_waits_and_its_reads_order_later_wri
     p = Program()
     p.make("B", 30)
     p.make("A", 10)
-    p.nodes.append([P.SET_GRAPH, 0])
     p.nodes += [op(p.g, 1, 11, 10, 2.0), op(p.g, 1, 12, 11, 3.0), 11]
     p.nodes += [op(p.g, 4, 13, 12, 30), 12]  # reads B's 30: waits, so it starts a new task
     p.write("B", 10)  # the chain read 10 on A

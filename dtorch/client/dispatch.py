@@ -23,6 +23,7 @@ from ..placement import Replicate, check_partials, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor, symbol
 from . import session as _session
+from .graph import current_graph, per_thread
 
 _REPLICATE = Replicate()
 _OP = P.OP
@@ -85,7 +86,8 @@ def dispatch(op, operands: tuple, static: tuple, depth: int = 2):
     if bound.plain and not tape.active:  # ``issue``'s usual case, inlined: it saves 10% a call
         t = _new(Tensor)
         t._id, t._spec = next(s.ids), bound.outs[0]
-        s.append((_OP, bound.call_id, site, 0, t._id, *_wire_operands(operands, bound.mask)))
+        s.append((_OP, bound.call_id, site, per_thread.graph_id, t._id,
+                  *_wire_operands(operands, bound.mask)))
         return t
     return issue(s, bound, operands, site)
 
@@ -107,11 +109,11 @@ def issue(s, b: Bound, operands, site: int):
         for k, rb in b.pre:
             operands[k] = issue(s, rb, (operands[k],), site)
     vals = _wire_operands(operands, b.mask)
-    call_id, ids = b.call_id, s.ids
+    call_id, ids, graph = b.call_id, s.ids, per_thread.graph_id
     needs = tape.needs_of(b, operands) if tape.active else None
     if b.inplace:
         target = operands[0]
-        s.append((P.OP, call_id, site, 0, target._id, *vals))
+        s.append((P.OP, call_id, site, graph, target._id, *vals))
         return target
     key = None
     if needs is not None and b.op is not None and (b.op.comm_grad or not b.op.flags & COMM):
@@ -122,12 +124,12 @@ def issue(s, b: Bound, operands, site: int):
         vals = (*vals, key, tape.needs_bits(needs), tape.gathered_bits(operands))
     if b.single:
         t = symbol(next(ids), b.outs[0])
-        s.append((P.OP, call_id, site, 0, t._id, *vals))
+        s.append((P.OP, call_id, site, graph, t._id, *vals))
         if needs is not None:
             tape.record(b, operands, (t,), needs, key)
         return issue(s, b.post[0], (t,), site) if b.post else t
     outs = [symbol(next(ids), spec) for spec in b.outs]
-    s.append((P.OP, call_id, site, 0, *[t._id for t in outs], *vals))
+    s.append((P.OP, call_id, site, graph, *[t._id for t in outs], *vals))
     if needs is not None:
         tape.record(b, operands, outs, needs, key)
     if b.post:
@@ -222,8 +224,6 @@ def factory_mesh(name: str, device_mesh) -> DeviceMesh:
     """A factory's ``device_mesh`` (its front has resolved the default: ``ops/creation.layout``;
     an operator registered with no tensor operands takes the default graph's)."""
     if device_mesh is None:
-        from .graph import current_graph  # (graph imports session, as this module does)
-
         return current_graph().default_device_mesh
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"dtorch.{name}: device_mesh must be a dtorch.DeviceMesh, got "

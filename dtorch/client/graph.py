@@ -5,7 +5,8 @@ Operators issued inside ``with graph:`` run on that graph's compute streams, so 
 graphs can run concurrently on one device (inter-graph parallelism); collectives of all graphs
 share each device's communication stream, which keeps them in one order on every device.
 Each thread has a default graph of its own (``Graph.default_graph()``); the importing thread's
-is ``dtorch.default_graph``. ``with`` blocks nest, per thread.
+is ``dtorch.default_graph``. ``with`` blocks nest, per thread: a thread's ``with graph:`` moves
+only that thread's operators (each operator's record names its graph).
 
 >>> import dtorch
 >>> g = dtorch.Graph()
@@ -40,7 +41,6 @@ from ..ops.registry import issue
 from . import session as _session
 
 _ids = itertools.count(0)
-_local = threading.local()  # .default: this thread's default graph; .stack: the graphs entered
 _CPU0: list = []  # the one-device CPU mesh, every graph's first default (made on first use)
 
 
@@ -131,11 +131,8 @@ class Graph:
 
     @staticmethod
     def default_graph() -> Graph:
-        """The calling thread's default graph (made on its first call in the thread)."""
-        g = getattr(_local, "default", None)
-        if g is None:
-            g = _local.default = Graph()
-        return g
+        """The calling thread's default graph (made on its first use in the thread)."""
+        return per_thread.default
 
     # -- waits ----------------------------------------------------------------------------------
     def sync(self, compiles: bool = False) -> None:
@@ -246,27 +243,36 @@ class Graph:
 
     # -- with graph: ----------------------------------------------------------------------------
     def __enter__(self) -> Graph:
-        _stack().append(self)
-        _session.current().set_graph(self._id)
+        state = per_thread
+        state.stack.append(self)
+        state.graph_id = self._id
         return self
 
     def __exit__(self, *exc) -> None:
-        _stack().pop()
-        _session.current().set_graph(current_graph()._id)
+        state = per_thread
+        state.stack.pop()
+        state.graph_id = current_graph()._id
+
+
+class ThreadGraphs(threading.local):
+    """One thread's graphs: its default graph, the graphs it has entered (innermost last), and
+    ``graph_id``, the id of the one it issues to, which every operator's record carries (read
+    for each operator, so kept as a plain attribute). Each thread gets its own on first use."""
+
+    def __init__(self) -> None:
+        self.default = Graph()
+        self.stack: list = []
+        self.graph_id = self.default._id
+
+
+per_thread = ThreadGraphs()  # the importing thread's default graph is the first: id 0
 
 
 def current_graph() -> Graph:
     """The graph the calling thread issues to: the innermost ``with graph:``, else the thread's
     default graph."""
-    stack = _stack()
-    return stack[-1] if stack else Graph.default_graph()
-
-
-def _stack() -> list:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    state = per_thread
+    return state.stack[-1] if state.stack else state.default
 
 
 def cpu0() -> DeviceMesh:

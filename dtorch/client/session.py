@@ -9,7 +9,16 @@ The controller process is started on first use and dies with this process (see
 
 Nothing the user issued is lost: a batch taken from the buffer is always sent (Ctrl-C waits for
 that), a record that cannot be serialized is taken out and reported at the user's next call with
-its call site, and the flusher thread survives any error. Flow control:
+its call site, and the flusher thread survives any error.
+
+Threads. Any number of the user's threads may issue at once. A record is appended in one step
+(``deque.append``), and every id another thread may read is published only after the record
+that defines it is in the buffer (``_define_lock``: call templates, specs, meshes; a call
+site's index is taken under a lock of its own, ``client/sites.py``),
+so a record never reaches the controller before the definitions it uses. Each record names its
+thread's graph (``client/graph.per_thread``). Each zmq socket is used by one thread only, as zmq
+requires: the sender thread alone sends (``flush`` hands it the frames, in order), the receiver
+thread alone receives. Flow control:
 every ``max_inflight_ops / MARKS`` records the client sends a *mark* (a sync that raises
 nothing), and once ``MARKS`` marks are outstanding the user's thread waits for the oldest, so
 however far ahead a program runs, at most about ``max_inflight_ops`` records are in flight.
@@ -24,28 +33,27 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections import deque
 
 import zmq
+import zmq.utils.garbage  # (see _send_frames: imported before atexit.register below)
 
 from .. import config, protocol as P
 from ..cluster import auth, local
 from ..future import TensorFuture
-from .assemble import assemble, piece_count
+from .receiving import Receiving
+from .sites import CallSites
 
 _current = None
 _lock = threading.Lock()
 # Tensor ids are unique across sessions, so a tensor that outlives a dtorch.shutdown() can never
 # name (or, when dropped, release) a tensor of the next runtime.
 _tensor_ids = itertools.count(1)
-MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
-MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
-MAX_CODES = 4096  # code objects whose call sites the client keeps looked up
 MARKS = 4  # flow-control marks in flight at most (see the module docstring)
+_STOP = object()  # the sender's last item: it closes the socket
 log = logging.getLogger("dtorch")
 
 
@@ -101,23 +109,38 @@ def shutdown() -> None:
         s.close()
 
 
-atexit.register(shutdown)
+def _at_exit() -> None:
+    """At interpreter exit, what the program issued runs before the runtime stops, as it would
+    have with torch (a kernel may have effects outside the program: a user's op that writes a
+    file), and a kernel error that no wait raised is told; then ``shutdown``. (An explicit
+    ``dtorch.shutdown()`` stops at once: the program has said it wants nothing more.)"""
+    s = _current
+    if s is not None and not s.closed and s.fatal is None:
+        try:
+            s.sync_async().wait()
+        except (Exception, KeyboardInterrupt):  # noqa: BLE001 - failed or interrupted: stop
+            pass
+        if s.errors and s.fatal is None:
+            log.error("dtorch: a kernel error was not raised before the program exited: %s%s",
+                      s.errors[0], f" ({len(s.errors) - 1} more)" if len(s.errors) > 1 else "")
+    shutdown()
 
 
-class Session:
+atexit.register(_at_exit)
+
+
+class Session(Receiving):
     def __init__(self):
         self.records = deque()
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         self.requests = itertools.count(1)
-        self.sites: dict = {}  # (file, line) -> index in site_names
-        self.code_sites: dict = {}  # id(code) -> {bytecode offset: site index}, or _INSIDE
-        self.codes: list = []  # the code objects of code_sites, kept alive
-        self.site_names: list = ["<unknown>"]
+        self.call_sites = CallSites()
+        self.site, self.site_names = self.call_sites.site, self.call_sites.names
         self.pending: dict = {}  # request -> (future, spec, pieces)
         self.traces: dict = {}  # request -> the TraceEvents received for a trace stop
         self.tracing = None  # while tracing, the client's spans: [(name, -2, 0, t0, t1, 0)]
         self.batch_started = 0  # while tracing, time.time_ns() at the batch's first record
-        self.errors: list = []  # kernel errors not raised yet (at most MAX_ERRORS)
+        self.errors: list = []  # kernel errors not raised yet (receiving.MAX_ERRORS at most)
         self.more_errors = 0  # how many more were reported
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
         self.reported: dict = {}  # ids of failed kernels already seen (an ordered set)
@@ -127,13 +150,16 @@ class Session:
         self.marks: deque = deque()  # futures of the flow-control marks in flight
         self.unmarked = 0  # records sent since the last mark
         self.closed = False
-        self.graph = 0
+        self.stopping = False  # close() has handed the sender its last frames
         # per-session caches: the wire ids they hold mean nothing to another controller
         self.bound: dict = {}  # call key -> dispatch.Bound
         self.spec_ids: dict = {}
         self.mesh_ids: dict = {}
         self.call_defs: list = []
-        self._flush_lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # one batch taken and handed over at a time
+        self._define_lock = threading.RLock()  # see the module docstring (define_call nests)
+        self._errors_lock = threading.Lock()  # the receiver adds errors, a waiter takes them
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # frames for the sender thread
         # the flusher's wake-ups: a SimpleQueue, whose put is reentrant, since a release may come
         # from a __del__ that a garbage collection runs anywhere, inside another put too (an
         # Event's set takes a lock of its own, and deadlocked there)
@@ -154,6 +180,9 @@ class Session:
         threading.Thread(target=_warm_meta_kernels, name="dtorch-warm").start()
         self._receiver = threading.Thread(target=self._receive, name="dtorch-receiver", daemon=True)
         self._receiver.start()
+        self._sender = threading.Thread(target=self._send_frames, name="dtorch-sender",
+                                        daemon=True)
+        self._sender.start()
         self._flusher = threading.Thread(target=self._flush_soon, name="dtorch-flusher", daemon=True)
         self._flusher.start()
 
@@ -173,43 +202,45 @@ class Session:
             self.batch_started = time.time_ns()
 
     def flush(self, block: bool = True) -> None:
-        """Sends the buffered records as one frame. ``block``: the user's thread waits here while
-        ``MARKS`` flow-control marks are in flight; the flusher thread leaves such a flush to
-        it (and is woken when a mark completes)."""
+        """Hands the buffered records to the sender thread as one frame. ``block``: the
+        caller waits here while ``MARKS`` flow-control marks are in flight; the flusher thread
+        leaves such a flush to the user's thread (and is woken when a mark completes)."""
         with self._flush_lock:
-            records, marks = self.records, self.marks
-            n = len(records)
-            if not n or self.closed:
+            self._flush_locked(block)
+
+    def _flush_locked(self, block: bool) -> None:
+        records, marks = self.records, self.marks
+        n = len(records)
+        if not n or self.stopping:
+            return
+        while marks and marks[0].done():
+            marks.popleft()
+        if len(marks) >= MARKS:
+            if not block:
                 return
-            while marks and marks[0].done():
-                marks.popleft()
-            if len(marks) >= MARKS:
-                if not block:
-                    return
-                marks.popleft().get()  # raises if the runtime failed meanwhile
-            # Popped, not iterated: ``release`` appends from ``__del__`` on any thread meanwhile.
-            # Ctrl-C waits for the send, so a batch taken from the buffer is always sent.
-            with _sigint_deferred():
-                spans = self.tracing  # the flusher thread may run this while a trace stops
-                # read before the records are taken: a record appended after that (by the
-                # user's thread) starts the next batch
-                started, flushed = self.batch_started, time.time_ns() if spans is not None \
-                    else 0
-                batch = [records.popleft() for _ in range(n)]
-                if records and flushed:  # appended meanwhile: the next batch began about now
-                    self.batch_started = flushed
-                try:
-                    frame = P.pack(batch)
-                except Exception:  # noqa: BLE001 - one bad record must not take the batch along
-                    frame = P.pack(self._take_unsendable(batch))
-                self._send(frame)
-                if flushed:
-                    spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
-                                     (f"flush {n} records", P.CLIENT, 1, flushed,
-                                      time.time_ns(), 0)]
-            self.unmarked += n
-            if self.unmarked * MARKS >= config.max_inflight_ops:
-                self._mark()
+            marks.popleft().get()  # raises if the runtime failed meanwhile
+        # Popped, not iterated: other threads append meanwhile (operators, and releases from
+        # ``__del__``). Ctrl-C waits for the hand-over, so a batch taken from the buffer is
+        # always sent.
+        with _sigint_deferred():
+            spans = self.tracing  # the flusher thread may run this while a trace stops
+            # read before the records are taken: a record appended after that starts the
+            # next batch
+            started, flushed = self.batch_started, time.time_ns() if spans is not None else 0
+            batch = [records.popleft() for _ in range(n)]
+            if records and flushed:  # appended meanwhile: the next batch began about now
+                self.batch_started = flushed
+            try:
+                frame = P.pack(batch)
+            except Exception:  # noqa: BLE001 - one bad record must not take the batch along
+                frame = P.pack(self._take_unsendable(batch))
+            self._outbox.put(frame)
+            if flushed:
+                spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
+                          (f"flush {n} records", P.CLIENT, 1, flushed, time.time_ns(), 0)]
+        self.unmarked += n
+        if self.unmarked * MARKS >= config.max_inflight_ops:
+            self._mark()
 
     def _take_unsendable(self, batch: list) -> list:
         """The records of ``batch`` that serialize; each other one becomes an error raised at
@@ -219,11 +250,16 @@ class Session:
             try:
                 P.pack(rec)
             except Exception as e:  # noqa: BLE001
-                self.unsent.append(self._describe_unsendable(rec, e))
-                self.alarm = True
+                self._tell_next_call(self._describe_unsendable(rec, e))
             else:
                 sendable.append(rec)
         return sendable
+
+    def _tell_next_call(self, message: str) -> None:
+        """An error the user's next call raises (``raise_alarm``); the runtime stays usable."""
+        with self._errors_lock:
+            self.unsent.append(message)
+            self.alarm = True
 
     def _describe_unsendable(self, rec, error: Exception) -> str:
         if isinstance(rec, tuple) and rec and rec[0] == P.OP:
@@ -236,20 +272,38 @@ class Session:
         future = TensorFuture()
         future.add_done_callback(lambda _: self._wake.put(None))  # a flush may wait for it
         self.pending[request] = (future, None, None)
-        self._send(P.pack([P.Sync(P.SYNC, request)]))
+        self._outbox.put(P.pack([P.Sync(P.SYNC, request)]))
         self.marks.append(future)
         self.unmarked = 0
 
-    def _send(self, frame) -> None:
-        # A PUSH socket blocks while it has no peer, and a dead controller must not hang the
-        # user: wait for room in short polls, giving up once the runtime is known to be dead.
-        while True:
-            try:
-                return self.ops.send(frame, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                if self.fatal is not None:
+    def _send_frames(self) -> None:
+        """The sender thread: sends the frames handed to it, in order, and alone uses (and at
+        the end closes) the ops socket. A frame of 64 KiB or more is sent without a copy, which
+        pyzmq tracks on its garbage-collector thread; that thread stops at interpreter exit in
+        an atexit hook, registered at import (above) so that it runs after dtorch's
+        ``shutdown``, and the frames of ``close`` are copied anyway, so the last flush never
+        needs it."""
+        sock, outbox = self.ops, self._outbox
+        try:
+            while True:
+                frame = outbox.get()
+                if frame is _STOP:
                     return
-                self.ops.poll(100, zmq.POLLOUT)
+                # A PUSH socket blocks while it has no peer, and a dead controller must not
+                # hang anyone: wait for room in short polls, giving up once the runtime is
+                # known to be dead.
+                while True:
+                    try:
+                        sock.send(frame, zmq.NOBLOCK, copy=self.stopping)
+                        break
+                    except zmq.Again:
+                        if self.fatal is not None:
+                            break
+                        sock.poll(100, zmq.POLLOUT)
+        except Exception:  # noqa: BLE001 - a dead sender would hang every wait
+            self._die("the client's sender failed:\n" + traceback.format_exc())
+        finally:
+            sock.close(0)
 
     def _flush_soon(self) -> None:
         # Batches form while the user's thread runs ahead; this bounds how long the first record
@@ -265,89 +319,45 @@ class Session:
             try:
                 self.flush(block=False)
             except Exception as e:  # noqa: BLE001 - told at the user's next call
-                self.unsent.append(f"dtorch's flusher failed: {type(e).__name__}: {e}")
-                self.alarm = True
+                self._tell_next_call(f"dtorch's flusher failed: {type(e).__name__}: {e}")
 
     # -- definitions (sent once per session) ----------------------------------------------------
     def define_call(self, op_name: str, inputs, outputs, static: tuple, flags: int) -> int:
         """The id of a new call template: operand specs (a Python type for a scalar), output
         specs, the static args that travel, the op's flags."""
         blob = P.pack_static(static)  # first: a static arg that cannot be sent raises, unsent
-        call_id = len(self.call_defs) + 1
-        self.call_defs.append(op_name)
-        self.append(P.DefineCall(
-            P.DEFINE_CALL, call_id, op_name,
-            [self.spec_id(i) if not isinstance(i, type) else 0 for i in inputs],
-            [self.spec_id(o) for o in outputs], blob, flags,
-        ))
+        with self._define_lock:
+            inputs = [self.spec_id(i) if not isinstance(i, type) else 0 for i in inputs]
+            outputs = [self.spec_id(o) for o in outputs]
+            call_id = len(self.call_defs) + 1
+            self.append(P.DefineCall(P.DEFINE_CALL, call_id, op_name, inputs, outputs, blob,
+                                     flags))
+            self.call_defs.append(op_name)
         return call_id
 
     def spec_id(self, spec) -> int:
         i = self.spec_ids.get(spec)
         if i is None:
-            mesh = self.mesh_id(spec.mesh)
-            i = self.spec_ids[spec] = len(self.spec_ids) + 1
-            self.append(P.define_spec(i, spec, mesh))
+            with self._define_lock:
+                i = self.spec_ids.get(spec)
+                if i is None:
+                    mesh = self.mesh_id(spec.mesh)
+                    i = len(self.spec_ids) + 1
+                    self.append(P.define_spec(i, spec, mesh))
+                    self.spec_ids[spec] = i  # published once its record is in the buffer
         return i
 
     def mesh_id(self, mesh) -> int:
         i = self.mesh_ids.get(mesh)
         if i is None:
-            i = self.mesh_ids[mesh] = len(self.mesh_ids) + 1
-            self.append(P.DefineMesh(P.DEFINE_MESH, i, mesh.device_type, list(mesh.shape),
-                                     list(mesh.devices)))
+            with self._define_lock:
+                i = self.mesh_ids.get(mesh)
+                if i is None:
+                    i = len(self.mesh_ids) + 1
+                    self.append(P.DefineMesh(P.DEFINE_MESH, i, mesh.device_type,
+                                             list(mesh.shape), list(mesh.devices)))
+                    self.mesh_ids[mesh] = i
         return i
-
-    def set_graph(self, graph: int) -> None:
-        if graph != self.graph:
-            self.graph = graph
-            self.append(P.SetGraph(P.SET_GRAPH, graph))
-
-    def site(self, depth: int = 2) -> int:
-        """Index of the user's ``file:line``: the first frame outside dtorch, from ``depth``
-        frames up (2: the caller of dispatch). Found by the frame's code object and bytecode
-        offset, both free to read: a line number costs a walk of the code's line table, paid
-        once per call site."""
-        try:
-            f = sys._getframe(depth)
-        except ValueError:  # called from C with no user frame below (a thread's target)
-            return 0
-        by_code = self.code_sites
-        while True:
-            sites = by_code.get(id(f.f_code))
-            if sites is None:
-                sites = self._code_sites(f.f_code)
-            if sites is not _INSIDE:
-                break
-            f = f.f_back
-            if f is None:
-                return 0  # "<unknown>"
-        index = sites.get(f.f_lasti)
-        if index is None:
-            index = sites[f.f_lasti] = self._site_index(f.f_code.co_filename, f.f_lineno)
-        return index
-
-    def _code_sites(self, code) -> dict:
-        """``code_sites``'s entry for a code object met for the first time: ``_INSIDE`` for
-        dtorch's own code, else its call sites by bytecode offset. The code is kept alive, so its
-        id names no other while it stands here. A cache: past ``MAX_CODES`` (code compiled
-        again and again, by ``exec``) it starts again, the sites' indices stay."""
-        if len(self.codes) >= MAX_CODES:
-            self.codes.clear()
-            self.code_sites.clear()
-        self.codes.append(code)
-        sites = _INSIDE if code.co_filename.startswith(_PACKAGE_DIR) else {}
-        self.code_sites[id(code)] = sites
-        return sites
-
-    def _site_index(self, filename: str, line: int) -> int:
-        # keyed by name, not code object: equal code elsewhere compares equal
-        key = (filename, line)
-        index = self.sites.get(key)
-        if index is None:
-            index = self.sites[key] = len(self.site_names)
-            self.site_names.append(f"{filename}:{line}")
-        return index
 
     # -- waits ----------------------------------------------------------------------------------
     def fetch(self, tensor) -> TensorFuture:
@@ -402,7 +412,8 @@ class Session:
         if self.fatal is not None:
             raise RuntimeError(f"dtorch runtime failed: {self.fatal}. Call dtorch.shutdown() to "
                                "restart.")
-        unsent, self.unsent, self.alarm = self.unsent, [], False
+        with self._errors_lock:
+            unsent, self.unsent, self.alarm = self.unsent, [], self.fatal is not None
         if unsent:
             more = f" ({len(unsent) - 1} more records could not be sent)" if len(unsent) > 1 else ""
             raise TypeError(f"{unsent[0]}{more}")
@@ -411,139 +422,46 @@ class Session:
         """Raises a fetch's own failure (``error``), or else the kernel errors reported since
         the last wait. Either way the user has now been told: it is not raised again."""
         if error is not None:
-            with contextlib.suppress(ValueError):
+            with self._errors_lock, contextlib.suppress(ValueError):
                 self.errors.remove(str(error))
             raise error
         if self.alarm:
             self.raise_alarm()
         if self.errors:
-            errors, self.errors = self.errors, []
-            n_more, self.more_errors = len(errors) - 1 + self.more_errors, 0
+            with self._errors_lock:
+                errors, self.errors = self.errors, []
+                n_more, self.more_errors = len(errors) - 1 + self.more_errors, 0
+            if not errors:  # another thread's wait took them
+                return
             more = f" ({n_more} more kernel errors)" if n_more else ""
             raise RuntimeError(f"{errors[0]}{more}")
 
-    # -- receiving (receiver thread) ------------------------------------------------------------
-    def _receive(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.results, zmq.POLLIN)
-        poller.register(self.controller.life_fd, zmq.POLLIN)
-        interval_ms = int(config.heartbeat_interval_s * 1000)
-        controller = self.controller
-        while not self.closed:
-            events = dict(poller.poll(interval_ms))
-            if self.results in events and not self._receive_ready(0):
-                return
-            if controller.life_fd in events and not controller.read_life():  # it exited
-                # its last words (a Fatal naming the cause) may still be on the way
-                if self.closed or not self._receive_ready(200):
-                    return
-                self._die(f"the controller process exited ({controller.describe_exit()})")
-                return
-            if self.fatal is None and controller.is_silent():
-                controller.kill()
-                self._die(controller.describe_silence())
-
-    def _receive_ready(self, timeout_ms: int) -> bool:
-        """Handles every message that arrives within ``timeout_ms``; False once closed."""
-        while self.results.poll(timeout_ms):
-            try:
-                frames = self.results.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return False
-            try:
-                msg = P.unpack(frames[0].buffer)
-            except Exception as e:  # noqa: BLE001 - drop it; the sender is authenticated
-                log.error("dtorch: dropped a message that does not decode: %s", e)
-                continue
-            try:
-                self._handle(msg, frames[1:])
-            except Exception:  # noqa: BLE001 - a dead receiver would hang every wait
-                self._die("the client's receiver failed:\n" + traceback.format_exc())
-        return True
-
-    def _handle(self, msg, data) -> None:
-        tag = msg[0]
-        if tag == P.VALUE:
-            _, request, coord, shape, dtype = msg
-            entry = self.pending.get(request)
-            if entry is None:  # another piece already failed the fetch
-                return
-            future, spec, pieces = entry
-            pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
-            if len(pieces) == piece_count(spec):
-                del self.pending[request]
-                try:
-                    future._finish(assemble(spec, pieces))
-                except Exception as e:  # noqa: BLE001 - hand it to the waiter
-                    future._finish(error=e)
-        elif tag == P.FETCH_FAILED:
-            _, request, site, op, message = msg
-            entry = self.pending.pop(request, None)
-            if entry:
-                entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
-        elif tag == P.KERNEL_ERROR:
-            _, site, op, message, kernel = msg
-            if kernel in self.reported:  # another device's report of a failure already seen
-                return
-            self.reported[kernel] = None
-            if len(self.reported) > MAX_REPORTED:
-                del self.reported[next(iter(self.reported))]
-            text = self._describe(site, op, message)
-            self.failures.setdefault(site, text)
-            if text not in self.errors:
-                if len(self.errors) < MAX_ERRORS:
-                    self.errors.append(text)
-                else:
-                    self.more_errors += 1
-        elif tag == P.TRACE_EVENTS:
-            received = self.traces.get(msg[1])
-            if received is not None:
-                received.append(msg)
-        elif tag == P.SYNCED:
-            entry = self.pending.pop(msg[1], None)
-            if entry:
-                entry[0]._finish(None)
-        elif tag == P.FATAL:
-            self._die(msg[1])
-
-    def _describe(self, site: int, op: str | None, message: str | None) -> str:
-        where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"
-        if op is None:  # poisoned by a peer's failure in a collective (see runtime/host.py)
-            return self.failures.get(site, f"an operator called at {where} failed on a device")
-        return f"dtorch.{op} failed (called at {where}): {message}"
-
-    def _die(self, message: str) -> None:
-        if self.fatal is None:  # the first cause is the one to report
-            if self.errors:  # e.g. the collectives a dead host broke, with their call sites
-                message += f". Reported before that: {self.errors[0]}"
-            self.fatal, self.alarm = message, True
-        self._fail_all()
-
-    def _fail_all(self) -> None:
-        error = RuntimeError(f"dtorch runtime failed: {self.fatal}")
-        while self.pending:  # popitem is atomic: the user's thread may be adding a wait
-            _, (future, _, _) = self.pending.popitem()
-            future._finish(error=error)
-
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
+        """Sends what was issued and a shutdown, waits (a bounded time) for the sender to have
+        sent them, then stops the processes and the threads; each thread closes its socket."""
         if self.closed:
             return
-        try:
+        with self._flush_lock:  # no batch is handed over after the sender's last item
             if self.fatal is None:
-                self.flush()
-                self._send(P.pack([P.SHUTDOWN]))
-        except zmq.ZMQError:
-            pass
+                with contextlib.suppress(RuntimeError):  # the runtime failed meanwhile
+                    self._flush_locked(block=True)
+                self._outbox.put(P.pack([P.SHUTDOWN]))
+            self.stopping = True
+            self._outbox.put(_STOP)
+        timeout = config.shutdown_timeout_s
+        self._sender.join(timeout)  # a live controller takes what was issued
         self.closed = True
         # the cause that waits still pending will see (the hosts' deaths that follow are not)
         self._die("dtorch.shutdown() was called")
         self._wake.put(None)
-        self.controller.stop(timeout=config.shutdown_timeout_s)
-        self.ops.close(0)
-        self._receiver.join(timeout=1)
+        self.controller.stop(timeout=timeout)
+        self._sender.join(1)  # (``_die`` lets it give up a frame no one takes)
+        self._receiver.join(1 + config.heartbeat_interval_s)
         self._fail_all()  # no value still awaited can arrive now
-        self.results.close(0)
+        if self._sender.is_alive() or self._receiver.is_alive():
+            log.error("dtorch: a client thread did not stop; its socket stays open until exit")
+            return
         self.ctx.term()
 
 
@@ -578,19 +496,3 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous)
         if caught:
             previous(*caught[0])
-
-
-def _tensor_from(frame, shape, dtype):
-    import torch
-
-    from ..tensor import DTYPES
-
-    dt = DTYPES[dtype]
-    buf = frame.buffer
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dt).reshape(shape)
-
-
-_INSIDE = {}  # code_sites' mark for dtorch's own code
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

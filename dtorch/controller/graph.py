@@ -41,8 +41,8 @@ class CallInfo(NamedTuple):
 
 class Operator:
     """A node of the incremental subgraph. ``rec`` is its wire record,
-    ``[OP, call, site, stream, *outs, *operands]``, which becomes the hosts' KERNEL record in
-    place (see protocol.py); ``outs`` and ``inputs`` (the tensor operands) are read off it once."""
+    ``[OP, call, site, graph, *outs, *operands]``, which becomes the hosts' KERNEL record in
+    place, the graph replaced by the stream (see protocol.py); ``outs`` and ``inputs`` (the tensor operands) are read off it once."""
 
     __slots__ = ("call", "rec", "outs", "inputs", "waits")
 
@@ -60,8 +60,8 @@ class Operator:
         self.waits = None  # streams to wait for, set by assign_streams
 
     @classmethod
-    def make(cls, call: CallInfo, site: int, outs, operands) -> Operator:
-        return cls(call, [P.OP, call.id, site, 0, *outs, *operands])
+    def make(cls, call: CallInfo, site: int, graph: int, outs, operands) -> Operator:
+        return cls(call, [P.OP, call.id, site, graph, *outs, *operands])
 
     @property
     def operands(self) -> list:
@@ -70,6 +70,11 @@ class Operator:
     @property
     def site(self) -> int:
         return self.rec[P.OP_SITE]
+
+    @property
+    def graph(self) -> int:
+        """The dtorch.Graph that issued it (until ``assign_streams`` puts its stream there)."""
+        return self.rec[P.OP_STREAM]
 
     @property
     def stream(self) -> int:
@@ -87,7 +92,6 @@ class LogicalGraph:
         self.calls: dict = {}
         self.step_calls: dict = {}  # (op, in spec id, out spec id, static) -> CallInfo
         self.definitions: list = []  # every Define* record, for hosts that start late
-        self.graph = 0  # the client's current dtorch.Graph
         self._temp_ids = itertools.count(-1, -1)  # controller-made operands and specs
         self._call_ids = itertools.count(-1, -1)
         self._scopes: dict = {}  # frozenset of (device type, device) -> small int

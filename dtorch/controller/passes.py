@@ -1,7 +1,7 @@
 """Rewriting passes over the incremental subgraph, run in order on every batch (``PASSES``).
 
 A batch is a list of nodes: Operators, releases (bare int ids), and the client's other records
-(fetch, sync, set-graph, definitions) left as they came. Each pass is a named function
+(fetch, sync, definitions) left as they came. Each pass is a named function
 ``(graph, nodes) -> nodes``; DEBUG=1 prints how many nodes each left.
 """
 
@@ -54,14 +54,15 @@ def lower_redistribute(graph, nodes: list) -> list:
                 msgpack.packb((mesh_dim,)), COMM if kind in COMM_STEPS or kind == "move" else 0,
                 out,
             )
-            out.append(Operator.make(call, node.site, [target], [current]))
+            out.append(Operator.make(call, node.site, node.graph, [target], [current]))
             if k:  # the previous temporary is no longer needed
                 out.append(current)
             current, current_spec = target, spec
         if not steps:  # same value, same layout (e.g. R on a mesh that is moved onto itself)
             out.append(Operator.make(graph.step_call("copy", graph.spec_id(src, out),
                                                 graph.spec_id(dst, out), msgpack.packb((0,)), 0,
-                                                out), node.site, node.outs, node.operands))
+                                                out), node.site, node.graph, node.outs,
+                                     node.operands))
     return out
 
 
@@ -154,8 +155,8 @@ class StreamState:
 
 
 def assign_streams(graph, nodes: list) -> list:
-    """Puts collectives on the communication stream and the rest on the current graph's
-    compute stream, and orders each access to a storage after the accesses on other streams it
+    """Puts collectives on the communication stream and the rest on the compute stream of the
+    graph their record names, and orders each access to a storage after the accesses on other streams it
     conflicts with, whichever graph issued them:
 
         read after write    a kernel waits for the last write of each storage it reads
@@ -173,8 +174,9 @@ def assign_streams(graph, nodes: list) -> list:
     for node in nodes:
         if type(node) is Operator:
             flags = node.call.flags
-            s = COMM_STREAM if flags & COMM else compute_stream(graph.graph)
-            node.rec[P.OP_STREAM] = s
+            rec = node.rec  # its graph, until now
+            s = COMM_STREAM if flags & COMM else compute_stream(rec[P.OP_STREAM])
+            rec[P.OP_STREAM] = s
             pos = position[s] = position.get(s, 0) + 1
             after = None  # stream -> the position on it this kernel must come after
             for i in node.inputs:
@@ -211,8 +213,6 @@ def assign_streams(graph, nodes: list) -> list:
             fetch = P.Fetch(*node)
             out.append(P.HostFetch(P.FETCH, fetch.id, fetch.request,
                                    _fetch_stream(graph, fetch.id)))
-        elif node[0] == P.SET_GRAPH:
-            graph.graph = P.SetGraph(*node).graph
         else:
             out.append(node)
     return out
@@ -283,8 +283,8 @@ def _fetch_stream(graph, tensor_id: int) -> int:
     st = graph.streams
     view = st.roots.get(tensor_id)
     m = st.storages.get(tensor_id if view is None else view[0])
-    if m is None:
-        return compute_stream(graph.graph)
+    if m is None:  # nothing made it (a fetch of a released id fails on any stream)
+        return compute_stream(0)
     s = m[WRITER]
     if view is not None and view[1] != s and not _has_waited(st, s, view):
         s = view[1]  # made after the last write

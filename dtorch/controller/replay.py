@@ -48,12 +48,14 @@ RELEASE = None  # in a window's key: a release's ref follows
 
 class Program(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
-    holds its kernels). ``positions``: the stream positions its operators take. ``written``:
+    holds its kernels), whose kernels run on ``stream`` (its graph's compute stream).
+    ``positions``: the stream positions its operators take. ``written``:
     the outside inputs (by number) written in place; ``released``: those released.
     ``survivors``: the results (by number) left alive. ``scopes``: its kernels' device sets
     (``CallInfo.scope``), on which a wait it no longer needs must have been made."""
 
     id: int
+    stream: int
     positions: int
     written: frozenset
     released: frozenset
@@ -61,7 +63,7 @@ class Program(NamedTuple):
     scopes: frozenset
 
 
-UNFIT = Program(0, 0, frozenset(), frozenset(), (), frozenset())  # never replays
+UNFIT = Program(0, 0, 0, frozenset(), frozenset(), (), frozenset())  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -253,20 +255,20 @@ class Replayer:
         cuts = windows(records, self.graph.calls)
         if hold and len(cuts) > 1 and cuts[-2][2] and not cuts[-1][2]:
             tail = records[cuts[-1][0]:]
-            if all(type(r) is int or r[0] == P.OP for r in tail) and self.may_replay(
-                    records[cuts[-2][0]:cuts[-2][1]]):
+            if all(type(r) is int or r[0] == P.OP for r in tail) and self.graph_of(
+                    records[cuts[-2][0]:cuts[-2][1]]) is not None:
                 self.held = tail
                 cuts.pop()
         pending = []  # records lowered together: a window's edges would cut chains and DCE
         for start, end, is_window in cuts:
             window = records[start:end]
-            if not is_window or not self.may_replay(window):
+            graph = self.graph_of(window) if is_window else None
+            if graph is None:
                 pending += window
                 continue
-            # what came before first: it moves the stream state on, and may switch the graph
-            self.lower(pending, out)
+            self.lower(pending, out)  # what came before first: it moves the stream state on
             key, outside, made, scalars = shape_of(self.graph.calls, window)
-            key = (self.graph.graph, key)
+            key = (graph, key)
             program = self.programs.get(key)
             if program is not None and program is not UNFIT and self.advance(
                     program, outside, made):
@@ -287,12 +289,18 @@ class Replayer:
             out += self.encode(self.passes(self.nodes(pending)))
             pending.clear()
 
-    def may_replay(self, window: list) -> bool:
-        """No call of ``window`` keeps it from replaying: a collective, a redistribute, a
-        recorded call or a VJP (known from the calls, so such a window costs no shape)."""
-        fit, op = self.fit, P.OP
+    def graph_of(self, window: list) -> int | None:
+        """The graph whose operators make up ``window``, or None when it cannot replay: its
+        operators come from several graphs (threads issuing at once), or one of its calls is
+        a collective, a redistribute, a recorded call or a VJP (known from the calls, so such
+        a window costs no shape)."""
+        fit, op, graph = self.fit, P.OP, None
         for r in window:
             if type(r) is not int and r[0] == op:
+                if graph is None:
+                    graph = r[P.OP_STREAM]
+                elif r[P.OP_STREAM] != graph:
+                    return None
                 ok = fit.get(r[P.OP_CALL])
                 if ok is None:
                     call = self.graph.calls[r[P.OP_CALL]]
@@ -300,8 +308,8 @@ class Replayer:
                                              or call.op == "redistribute"
                                              or call.op.startswith(P.VJP_PREFIX))
                 if not ok:
-                    return False
-        return True
+                    return None
+        return graph
 
     def nodes(self, records: list) -> list:
         """The passes' nodes: an Operator for each operator's record."""
@@ -315,7 +323,7 @@ class Replayer:
         """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies, and
         defines it to the hosts (through ``out``, and for hosts that start later, the graph's
         definitions)."""
-        stream = compute_stream(self.graph.graph)
+        stream = compute_stream(key[0])
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
@@ -328,7 +336,7 @@ class Replayer:
                 Operator else None
             if members is None:  # a definition, or another record: not a pure window
                 return
-            for m in members:  # (its calls may replay: ``may_replay``)
+            for m in members:  # (its calls may replay: ``graph_of``)
                 flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
@@ -350,7 +358,7 @@ class Replayer:
             self.programs[key] = UNFIT  # would need its base's storage; lowered as usual
             return
         program = Program(
-            next(self.program_ids), positions,
+            next(self.program_ids), stream, positions,
             frozenset(number[t] for t in written_ids if t in number),
             frozenset(number[t] for t in released if t in number), tuple(survivors),
             frozenset(scopes))
@@ -369,8 +377,7 @@ class Replayer:
         ``made``; False (nothing done) when the passes would make it wait: an outside input is
         written here and was touched on another stream, or is read here and was last written
         (or, for a view, made) on another stream not yet waited for on the program's devices."""
-        st = self.graph.streams
-        stream = compute_stream(self.graph.graph)
+        st, stream = self.graph.streams, program.stream
         storages, roots, covered = st.storages, st.roots, st.covered
         for k, t in enumerate(outside):
             view = roots.get(t)  # (its base's storage key, stream, position, devices)

@@ -1,0 +1,146 @@
+"""The receiver thread's half of a ``Session`` (``client/session.py``): every message from the
+controller. Values complete their TensorFutures as their pieces arrive, kernel errors wait for
+the user's next wait (each failed kernel once, however many devices report it), a Fatal or the
+controller's death or silence fails the runtime. The thread alone uses the results socket, and
+closes it when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import zmq
+
+from .. import config, protocol as P
+from .assemble import assemble, piece_count
+
+MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
+MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
+log = logging.getLogger("dtorch")
+
+
+class Receiving:
+    """The methods of a Session that its receiver thread runs (``_receive``), and the failure
+    of the runtime (``_die``), which any thread may call."""
+
+    def _receive(self) -> None:
+        try:
+            self._receive_until_closed()
+        finally:
+            self.results.close(0)
+
+    def _receive_until_closed(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.results, zmq.POLLIN)
+        poller.register(self.controller.life_fd, zmq.POLLIN)
+        interval_ms = int(config.heartbeat_interval_s * 1000)
+        controller = self.controller
+        while not self.closed:
+            events = dict(poller.poll(interval_ms))
+            if self.results in events and not self._receive_ready(0):
+                return
+            if controller.life_fd in events and not controller.read_life():  # it exited
+                # its last words (a Fatal naming the cause) may still be on the way
+                if self.closed or not self._receive_ready(200):
+                    return
+                self._die(f"the controller process exited ({controller.describe_exit()})")
+                return
+            if self.fatal is None and controller.is_silent():
+                controller.kill()
+                self._die(controller.describe_silence())
+
+    def _receive_ready(self, timeout_ms: int) -> bool:
+        """Handles every message that arrives within ``timeout_ms``; False once closed."""
+        while self.results.poll(timeout_ms):
+            try:
+                frames = self.results.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return False
+            try:
+                msg = P.unpack(frames[0].buffer)
+            except Exception as e:  # noqa: BLE001 - drop it; the sender is authenticated
+                log.error("dtorch: dropped a message that does not decode: %s", e)
+                continue
+            try:
+                self._handle(msg, frames[1:])
+            except Exception:  # noqa: BLE001 - a dead receiver would hang every wait
+                self._die("the client's receiver failed:\n" + traceback.format_exc())
+        return True
+
+    def _handle(self, msg, data) -> None:
+        tag = msg[0]
+        if tag == P.VALUE:
+            _, request, coord, shape, dtype = msg
+            entry = self.pending.get(request)
+            if entry is None:  # another piece already failed the fetch
+                return
+            future, spec, pieces = entry
+            pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
+            if len(pieces) == piece_count(spec):
+                del self.pending[request]
+                try:
+                    future._finish(assemble(spec, pieces))
+                except Exception as e:  # noqa: BLE001 - hand it to the waiter
+                    future._finish(error=e)
+        elif tag == P.FETCH_FAILED:
+            _, request, site, op, message = msg
+            entry = self.pending.pop(request, None)
+            if entry:
+                entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
+        elif tag == P.KERNEL_ERROR:
+            _, site, op, message, kernel = msg
+            if kernel in self.reported:  # another device's report of a failure already seen
+                return
+            self.reported[kernel] = None
+            if len(self.reported) > MAX_REPORTED:
+                del self.reported[next(iter(self.reported))]
+            text = self._describe(site, op, message)
+            self.failures.setdefault(site, text)
+            with self._errors_lock:
+                if text not in self.errors:
+                    if len(self.errors) < MAX_ERRORS:
+                        self.errors.append(text)
+                    else:
+                        self.more_errors += 1
+        elif tag == P.TRACE_EVENTS:
+            received = self.traces.get(msg[1])
+            if received is not None:
+                received.append(msg)
+        elif tag == P.SYNCED:
+            entry = self.pending.pop(msg[1], None)
+            if entry:
+                entry[0]._finish(None)
+        elif tag == P.FATAL:
+            self._die(msg[1])
+
+    def _describe(self, site: int, op: str | None, message: str | None) -> str:
+        where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"
+        if op is None:  # poisoned by a peer's failure in a collective (see runtime/host.py)
+            return self.failures.get(site, f"an operator called at {where} failed on a device")
+        return f"dtorch.{op} failed (called at {where}): {message}"
+
+    def _die(self, message: str) -> None:
+        if self.fatal is None:  # the first cause is the one to report
+            if self.errors:  # e.g. the collectives a dead host broke, with their call sites
+                message += f". Reported before that: {self.errors[0]}"
+            self.fatal, self.alarm = message, True
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        error = RuntimeError(f"dtorch runtime failed: {self.fatal}")
+        while self.pending:  # popitem is atomic: the user's thread may be adding a wait
+            _, (future, _, _) = self.pending.popitem()
+            future._finish(error=error)
+
+
+def _tensor_from(frame, shape, dtype):
+    import torch
+
+    from ..tensor import DTYPES
+
+    dt = DTYPES[dtype]
+    buf = frame.buffer
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dt).reshape(shape)
