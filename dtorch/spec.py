@@ -1,11 +1,13 @@
 """TensorSpec: the metadata of a distributed tensor (global shape, dtype, mesh, placements).
 
-Specs are interned: one object per distinct value, so rule caches hash them by identity and the
-wire carries a small integer id. This module imports no torch, because the controller does not
+Specs are interned: one object per distinct value (in any thread), so rule caches hash them by
+identity and the wire carries a small integer id. This module imports no torch, because the controller does not
 need it; dtypes travel and are stored by name (``"float32"``).
 """
 
 from __future__ import annotations
+
+import threading
 
 from .placement import Partial, Replicate, Shard, local_region, placements_str
 
@@ -85,6 +87,7 @@ class TensorSpec:
 
 
 _SPECS: dict = {}
+_NEW_SPEC = threading.Lock()  # two threads making one spec get the same object
 
 
 def intern_spec(shape, dtype: str, mesh, placements) -> TensorSpec:
@@ -92,7 +95,10 @@ def intern_spec(shape, dtype: str, mesh, placements) -> TensorSpec:
     key = (tuple(shape), dtype, mesh, tuple(placements))
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS[key] = TensorSpec(*key)
+        with _NEW_SPEC:
+            spec = _SPECS.get(key)
+            if spec is None:
+                spec = _SPECS[key] = TensorSpec(*key)
     return spec
 
 
