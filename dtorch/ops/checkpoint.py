@@ -18,8 +18,9 @@ read where its bytes lie together in the file (a Shard(0) block, a whole tensor)
 per batch of rows where each row holds a run of them (a Shard(1) block; the bytes between runs go
 to one small scratch buffer). A dtype cast or a CUDA device reads whole rows through a buffer of
 at most ``READ_CHUNK`` bytes. Nothing the size of a tensor is allocated, so a host's memory
-grows by its blocks and no more. A large contiguous read is split over the host's torch
-threads, as torch's own copies are. Not ``safetensors.safe_open``: its ``"pt"`` handle maps the
+grows by its blocks and no more. A large contiguous read (at least twice
+``config.read_split_min``) is split over the host's torch threads, as torch's own copies are.
+Not ``safetensors.safe_open``: its ``"pt"`` handle maps the
 whole file, and every page a host touches through it stays in that process's resident memory
 until the handle closes (so a cached handle would hold the file's share of every block on top of
 the blocks), while opening one per tensor parses the whole header each time (1.3 ms for a header
@@ -55,6 +56,7 @@ import struct
 import msgpack
 import torch
 
+from .. import config
 from .. import protocol as P
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
@@ -71,7 +73,6 @@ DTYPES = {name: getattr(torch, attr) for name, attr in (
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 READ_CHUNK = 8 << 20  # bytes a read may buffer where it cannot land in the block itself
-SPLIT_MIN = 8 << 20  # a read of at least twice this is split over torch's threads
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def _pread_split(fd, pos: int, buffer) -> None:
     """One large read split over the process's torch threads: copying from the page cache is
     memory-bound, and one thread does not saturate the memory system."""
     view = memoryview(buffer).cast("B")
-    parts = min(torch.get_num_threads(), len(view) // SPLIT_MIN)
+    parts = min(torch.get_num_threads(), len(view) // config.read_split_min)
     if parts < 2:
         return _pread(fd, pos, [view])
     if not _POOL:
