@@ -107,12 +107,15 @@ def test_each_device_writes_its_own_blocks_once(tmp_path):
     values = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.arange(3.0)}
     layouts = {"w": [R, Shard(0)], "b": [R, R]}
     save_checkpoint(build(values, lambda k, v: (mesh, layouts[k])), tmp_path)
+    index = json.loads((tmp_path / "dtorch.index.json").read_text())
+    save_id = index["save_id"]
     files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    assert files == ["rank00000-mesh0.safetensors", "rank00001-mesh0.safetensors"]
+    assert files == [f"rank00000-mesh0-{save_id}.safetensors",
+                     f"rank00001-mesh0-{save_id}.safetensors"]
+    assert index["files"] == {f: {"size": os.path.getsize(tmp_path / f)} for f in files}
     first, second = (load_file(tmp_path / f) for f in files)
     assert torch.equal(first["w"], values["w"][:3]) and torch.equal(second["w"], values["w"][3:])
     assert torch.equal(first["b"], values["b"]) and "b" not in second
-    index = json.loads((tmp_path / "dtorch.index.json").read_text())
     assert index["tensors"]["w"]["pieces"] == [
         {"file": files[0], "key": "w", "offsets": [0, 0], "shape": [3, 3]},
         {"file": files[1], "key": "w", "offsets": [3, 0], "shape": [2, 3]}]

@@ -25,7 +25,6 @@ symlink out of it), except a symlink into the ``blobs/`` of the same HF hub cach
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import pathlib
@@ -271,19 +270,3 @@ def _dtorch_entry(index_path: str, key: str, info, files: _Files) -> Entry:
     if sum(math.prod(p.shape) for p in pieces) != math.prod(shape):
         raise bad(f"has pieces that do not cover its shape {list(shape)}")
     return Entry(dtype, shape, tuple(pieces))
-
-
-def write_index(directory: str, tensors: dict) -> str:
-    """Writes ``dtorch.index.json``: ``tensors`` is ``{key: {"dtype", "shape", "pieces"}}``
-    with pieces ``{"file", "key", "offsets", "shape"}`` (files relative to ``directory``).
-    Written beside, then renamed: a reader sees the old index or the new one."""
-    total = sum(math.prod(t["shape"]) * getattr(torch, t["dtype"]).itemsize
-                for t in tensors.values())
-    index = {"format": "dtorch", "version": 1, "metadata": {"total_size": total},
-             "tensors": tensors}
-    path = os.path.join(directory, DTORCH_INDEX)
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "w") as f:
-        json.dump(index, f, indent=1)
-    os.replace(partial, path)
-    return path
