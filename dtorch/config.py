@@ -39,6 +39,10 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   a CUDA graph and launched as one (``runtime/cuda_graphs.py``); 0 never captures.
 - fusion_cache_dir (DTORCH_FUSION_CACHE): where the compiled code is cached on disk (inductor's
   cache), so a later program with the same stretches does not compile them again.
+- read_split_min (DTORCH_READ_SPLIT_MIN): the fewest bytes each thread of a split checkpoint
+  read gets: a host splits a read of at least twice this over its torch threads
+  (``ops/checkpoint.py``; copying from the page cache is memory-bound, one thread does not
+  saturate it). 8 MiB by default.
 
 DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
 set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
@@ -70,6 +74,7 @@ fusion_after_s = float(os.environ.get("DTORCH_FUSION_AFTER_S", "2"))
 cuda_graphs = os.environ.get("DTORCH_CUDA_GRAPHS", "1") != "0"
 fusion_cache_dir = os.environ.get("DTORCH_FUSION_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "dtorch", "inductor")
+read_split_min = int(os.environ.get("DTORCH_READ_SPLIT_MIN", str(8 << 20)))
 machine_devices = None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dtorch
-from dtorch import Partial, Replicate, Shard
+from dtorch import Partial, Replicate, Shard, config
 from dtorch.checkpoint import load_checkpoint, save_checkpoint
 
 R = Replicate()
@@ -106,12 +107,15 @@ def test_each_device_writes_its_own_blocks_once(tmp_path):
     values = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.arange(3.0)}
     layouts = {"w": [R, Shard(0)], "b": [R, R]}
     save_checkpoint(build(values, lambda k, v: (mesh, layouts[k])), tmp_path)
+    index = json.loads((tmp_path / "dtorch.index.json").read_text())
+    save_id = index["save_id"]
     files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    assert files == ["rank00000-mesh0.safetensors", "rank00001-mesh0.safetensors"]
+    assert files == [f"rank00000-mesh0-{save_id}.safetensors",
+                     f"rank00001-mesh0-{save_id}.safetensors"]
+    assert index["files"] == {f: {"size": os.path.getsize(tmp_path / f)} for f in files}
     first, second = (load_file(tmp_path / f) for f in files)
     assert torch.equal(first["w"], values["w"][:3]) and torch.equal(second["w"], values["w"][3:])
     assert torch.equal(first["b"], values["b"]) and "b" not in second
-    index = json.loads((tmp_path / "dtorch.index.json").read_text())
     assert index["tensors"]["w"]["pieces"] == [
         {"file": files[0], "key": "w", "offsets": [0, 0], "shape": [3, 3]},
         {"file": files[1], "key": "w", "offsets": [3, 0], "shape": [2, 3]}]
@@ -296,3 +300,31 @@ def test_read_region_matches_slicing(tmp_path, monkeypatch, chunk, cast):
             ops.read_region(path, start, torch.float32, shape, off, size, wide[..., 1:-2])
             assert torch.equal(wide[..., 1:-2], want.to(dtype)), (shape, off, size)
             assert not wide[..., 0].any() and not wide[..., -2:].any()
+
+
+@pytest.mark.parametrize("nbytes, parts", [(8188, 1), (8192, 2)])
+def test_a_read_splits_at_twice_read_split_min(tmp_path, monkeypatch, nbytes, parts):
+    """With read_split_min = 4096 and two threads a read of 8188 bytes is one pread, one of
+    8192 two (each from the readers' pool); the values are the same."""
+    from dtorch.ops import checkpoint as ops
+
+    stored = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
+    path = str(tmp_path / "x.safetensors")
+    ops.write_file(path, [("x", stored)])
+    start = 8 + int.from_bytes((tmp_path / "x.safetensors").read_bytes()[:8], "little")
+    calls, real = [], ops._pread
+    monkeypatch.setattr(ops, "_pread", lambda fd, pos, bufs: (
+        calls.append((pos, threading.current_thread().name)), real(fd, pos, bufs)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = torch.zeros_like(stored)
+        with config.override(read_split_min=4096):
+            ops.read_region(path, start, torch.float32, stored.shape, (0,), stored.shape, out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, stored)
+    assert sorted(pos for pos, _ in calls) == [start + i * (nbytes // parts)
+                                               for i in range(parts)]
+    pool = [name.startswith("dtorch-read") for _, name in calls]
+    assert pool == [parts > 1] * parts

@@ -23,6 +23,7 @@ from ..nn.parameter import Parameter
 from ..ops.checkpoint import pack_pieces, read_block, read_into
 from ..tensor import Tensor
 from . import index
+from .headers import check_regular
 
 PROGRESS_DELAY_S = 2.0  # the bar shows only for loads longer than this (and on a terminal)
 PROGRESS_STEP = 64 << 20  # bytes between two readings of the hosts' progress
@@ -180,6 +181,7 @@ def read_all(keys, targets: dict, entries: dict, progress) -> None:
 def _load_torch(module, file: str, rename, dtype, strict):
     """A torch state dict: torch's safe loader (``weights_only``: tensors and plain containers,
     never arbitrary objects), mapped from the file where the format allows it."""
+    check_regular(file)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError as e:

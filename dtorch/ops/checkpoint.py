@@ -18,20 +18,25 @@ read where its bytes lie together in the file (a Shard(0) block, a whole tensor)
 per batch of rows where each row holds a run of them (a Shard(1) block; the bytes between runs go
 to one small scratch buffer). A dtype cast or a CUDA device reads whole rows through a buffer of
 at most ``READ_CHUNK`` bytes. Nothing the size of a tensor is allocated, so a host's memory
-grows by its blocks and no more. A large contiguous read is split over the host's torch
-threads, as torch's own copies are. Not ``safetensors.safe_open``: its ``"pt"`` handle maps the
-whole file, and every page a host touches through it stays in that process's resident memory
-until the handle closes (so a cached handle would hold the file's share of every block on top of
-the blocks), while opening one per tensor parses the whole header each time (1.3 ms for a header
-of 1000 tensors).
+grows by its blocks and no more. A large contiguous read (at least twice
+``config.read_split_min``) is split over the host's torch threads, as torch's own copies are.
+Not ``safetensors.safe_open``: its ``"pt"`` handle maps the whole file, and every page a host
+touches through it stays in that process's resident memory until the handle closes (so a cached
+handle would hold the file's share of every block on top of the blocks), while opening one per
+tensor parses the whole header each time (1.3 ms for a header of 1000 tensors). The client
+checks every header and index before a host reads (``checkpoint/headers.py``).
 
 ``write_safetensors(plan, *tensors)`` writes, on every device, the blocks it owns of
 ``tensors`` to one safetensors file (``plan``: msgpack ``[directory, name, keys]``, ``name`` a
 ``str.format`` template of ``device``). A block is written once: by the device at coordinate 0 of
 every mesh dim the tensor is not sharded on (``writes_block``); the caller reduces Partial
 tensors first. The bytes stream from each block to the file with no copy (safetensors'
-``save_file`` would copy every tensor to bytes first); a file appears whole or not at all (written
-beside, then renamed). The result is a 0-dim token nobody reads; the op is IMPURE.
+``save_file`` would copy every tensor to bytes first), and the file and its directory are
+fsynced before the kernel returns. The name is new (``save_checkpoint``'s carry a save id), so
+nothing older is touched; a write that fails removes what it wrote. The result is a 0-dim
+int64 token, Partial(max) on every mesh dim: each device's errno (0: written), so reading it
+gives the worst failure of any device as a value, with no kernel error (the runtime stays as
+it was); the op is IMPURE.
 
 >>> import dtorch, torch, os, tempfile
 >>> from dtorch.ops.checkpoint import write_file, read_into, pack_pieces
@@ -47,6 +52,8 @@ tensor([3., 4., 5.])
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import json
 import math
 import os
@@ -55,8 +62,9 @@ import struct
 import msgpack
 import torch
 
+from .. import config
 from .. import protocol as P
-from ..placement import Partial, Replicate, Shard
+from ..placement import Partial, Shard
 from ..tensor import Tensor
 from .registry import IMPURE, INPLACE, OpDef, issue, register
 from .rules import Placed
@@ -71,7 +79,6 @@ DTYPES = {name: getattr(torch, attr) for name, attr in (
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 READ_CHUNK = 8 << 20  # bytes a read may buffer where it cannot land in the block itself
-SPLIT_MIN = 8 << 20  # a read of at least twice this is split over torch's threads
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -102,7 +109,7 @@ def read_region(path: str, start: int, dtype, shape: tuple, offsets: tuple, size
                 out: torch.Tensor) -> None:
     """Reads the block at ``offsets`` of ``size`` of the row-major array of ``dtype`` and
     ``shape`` stored from byte ``start`` of ``path``, into ``out`` (cast to its dtype)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO in its place: no hang (preadv fails)
     try:
         _read_rows(fd, start, dtype, shape, offsets, size, out)
     finally:
@@ -176,7 +183,7 @@ def _pread_split(fd, pos: int, buffer) -> None:
     """One large read split over the process's torch threads: copying from the page cache is
     memory-bound, and one thread does not saturate the memory system."""
     view = memoryview(buffer).cast("B")
-    parts = min(torch.get_num_threads(), len(view) // SPLIT_MIN)
+    parts = min(torch.get_num_threads(), len(view) // config.read_split_min)
     if parts < 2:
         return _pread(fd, pos, [view])
     if not _POOL:
@@ -228,8 +235,9 @@ def writes_block(placements, coord) -> bool:
 
 
 def write_file(path: str, items, metadata: dict | None = None) -> None:
-    """Writes ``items`` (key, torch tensor) as the safetensors file ``path``, streaming each
-    tensor's bytes (larger dtypes first, so every tensor's data is aligned to its dtype)."""
+    """Writes ``items`` (key, torch tensor) as the safetensors file ``path`` and fsyncs it,
+    streaming each tensor's bytes (larger dtypes first, so every tensor's data is aligned to
+    its dtype). A write that fails (a full disk) removes the file before it raises."""
     items = sorted(items, key=lambda kv: -kv[1].element_size())
     header, offset = {}, 0
     for key, t in items:
@@ -242,23 +250,42 @@ def write_file(path: str, items, metadata: dict | None = None) -> None:
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            if t.numel():
-                f.write(P.buffer_of(t.detach().to("cpu").contiguous()))
-    os.replace(partial, path)
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, t in items:
+                if t.numel():
+                    f.write(P.buffer_of(t.detach().to("cpu").contiguous()))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+
+
+def sync_directory(directory: str) -> None:
+    """fsyncs ``directory``, so the names made in it survive a crash of the machine."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write(ctx, plan, *blocks):
     directory, name, keys = msgpack.unpackb(plan)
     items = [(key, block) for key, block, spec in zip(keys, blocks, ctx.in_specs[1:])
              if writes_block(spec.placements, ctx.coord) and block.numel()]
+    failure = 0
     if items:
-        write_file(os.path.join(directory, name.format(device=ctx.device.index)), items)
-    return torch.zeros((), dtype=torch.int64, device=ctx.device.torch_device)
+        try:
+            write_file(os.path.join(directory, name.format(device=ctx.device.index)), items)
+            sync_directory(directory)
+        except OSError as e:  # a value, not a kernel error: the client raises it (errno kept)
+            failure = e.errno or errno.EIO
+    return torch.tensor(failure, dtype=torch.int64, device=ctx.device.torch_device)
 
 
 # -- fronts (the user's calls are dtorch.checkpoint's) ------------------------------------------
@@ -272,10 +299,14 @@ def read_into(target: Tensor, pieces: bytes) -> Tensor:
 
 def write_blocks(plan: bytes, tensors) -> Tensor:
     """Each device of the tensors' mesh writes the blocks it owns (see the module's docstring);
-    returns the token (wait with ``dtorch.sync()``)."""
+    returns the token: ``token.item()`` waits for every device and is the largest errno of their
+    writes (0: all written)."""
     if any(isinstance(p, Partial) for t in tensors for p in t.placements):
         raise ValueError("write_safetensors: a Partial tensor must be reduced first, e.g. "
                          "t.redistribute(placements=[Replicate(), ...])")
+    for t in tensors:
+        if t.dtype not in NAMES:
+            raise TypeError(f"write_safetensors: safetensors has no dtype {t.dtype}")
     return issue("write_safetensors", (plan, *tensors), ())
 
 
@@ -284,7 +315,7 @@ def _same_layout(call) -> Placed:
 
 
 def _token(call) -> Placed:
-    return Placed(((Replicate(),) * len(call.mesh.shape),))
+    return Placed(((Partial("max"),) * len(call.mesh.shape),))  # each device's errno
 
 
 register(OpDef("read_safetensors_", "read_safetensors_(input: Tensor, pieces: Tensor)",
