@@ -140,6 +140,10 @@ BAD_DTORCH_INDEXES = [
     ("a file the files do not name", {"files": {}}, "which its files do not name"),
     ("a file of another size", {"files": {RANK: {"size": 1}}}, "not the 1 it was saved with"),
     ("a newer version", {"version": 3}, "index version 3"),
+    ("pieces that overlap and leave a gap", {"t": w_entry({"dtype": "float32", "shape": [4, 3],
+                                                           "pieces": [
+        {"file": RANK, "key": "w", "offsets": [0, 0], "shape": [2, 3]},
+        {"file": RANK, "key": "w", "offsets": [1, 0], "shape": [2, 3]}]})}, "pieces that overlap"),
 ]
 
 

@@ -269,4 +269,21 @@ def _dtorch_entry(index_path: str, key: str, info, files: _Files) -> Entry:
         pieces.append(Piece(path, start + begin, dtype_name, stored, offsets))
     if sum(math.prod(p.shape) for p in pieces) != math.prod(shape):
         raise bad(f"has pieces that do not cover its shape {list(shape)}")
+    if _overlap(pieces):  # (as many elements as the shape, so some would never be read)
+        raise bad(f"has pieces that overlap, and so leave part of its shape {list(shape)} out")
     return Entry(dtype, shape, tuple(pieces))
+
+
+def _overlap(pieces) -> bool:
+    """Whether two of the blocks share an element: a sweep along the first dim, which compares
+    only the blocks whose rows meet (a layout's blocks are mostly apart there)."""
+    boxes = sorted((p.offsets, p.shape) for p in pieces if math.prod(p.shape))
+    live: list = []
+    for offsets, shape in boxes:
+        if offsets:
+            live = [(o, n) for o, n in live if o[0] + n[0] > offsets[0]]
+        if any(all(a < c + m and c < a + k for a, k, c, m in zip(o, n, offsets, shape))
+               for o, n in live):
+            return True
+        live.append((offsets, shape))
+    return False
