@@ -5,9 +5,9 @@ except sync acknowledgements, which it gathers), and the hosts' life pipes, whic
 heartbeats (see ``cluster/local.py``). A host that exits, or stays silent for
 ``config.heartbeat_timeout_s`` (then it is killed), ends the runtime with a Fatal error to the
 client instead of a hang; a collective's failure that a death may be behind waits for it
-(``controller/reports.py``), so that the client's first error names the death. Hosts start when a mesh first names one of their devices, and each
-receives every batch: it runs the records that touch its devices, so the controller's cost does
-not grow with the device count.
+(``controller/reports.py``), so that the client's first error names the death. Hosts start when
+a mesh first names one of their devices, and each receives every batch: it runs the records that
+touch its devices, so the controller's cost does not grow with the device count.
 
 Every socket is authenticated (``cluster/auth.py``). The process groups' rendezvous store is a
 file in a directory only this user can enter, not a network port: on one machine no other user
