@@ -36,7 +36,7 @@ DEATH_NOTICE_S = 5.0  # the promise: a dead process is a client error within sec
 # Each trial: a fresh runtime on two devices (one host each), a big collective in a loop that
 # reads its result, and a SIGKILL of one host while the third one is on its way.
 HOST_DEATHS = CLIENT_PRELUDE + """
-def collective(x, op):
+def collective(x):
     return x.redistribute(placements=[Replicate()]).sum()  # the call site
 
 trials, results, pids = [t.split(":") for t in sys.argv[1].split(",")], [], []
@@ -45,14 +45,14 @@ for op, victim in trials:
     x = dtorch.randn(1 << 21, device_mesh=mesh, placements=[Shard(0)])
     if op == "all_reduce":
         x = x.redistribute(placements=[Replicate()]).redistribute(placements=[Partial()])
-    collective(x, op).item()
+    collective(x).item()
     controller, hosts = runtime_pids()
     pid = hosts[int(victim)]
     pids += [controller, *hosts]
     first, latency, killed = None, None, None
     try:
         for i in range(100):
-            future = collective(x, op).to_torch_async()
+            future = collective(x).to_torch_async()
             if i == 2:
                 os.kill(pid, signal.SIGKILL)
                 killed = time.monotonic()
@@ -77,8 +77,8 @@ def summary(latencies) -> str:
 
 
 def test_a_host_killed_during_a_collective_is_named_in_the_first_error():
-    """Both survivors' sides: the survivor holds the value's first block (victim 1: its
-    fetch fails with gloo's error, which the controller holds) or not (victim 0)."""
+    """Each host killed in turn, so that the survivor is once the host of the value's first
+    block (its fetch fails with gloo's error, which the controller holds) and once the other."""
     trials = ["all_gather:1", "all_reduce:1", "all_gather:0", "all_reduce:0"]
     r = run_client(HOST_DEATHS, timeout=240, args=[",".join(trials)],
                    env={"DTORCH_CPU_HOSTS": "2"})["results"]
