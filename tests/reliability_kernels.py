@@ -14,3 +14,11 @@ def busy(x, seconds):
         while time.monotonic() < deadline:
             acc = acc + 1
     return x + 1
+
+
+def slow_on_device_1(ctx, x, seconds):
+    """``x + 1``, after ``seconds`` of sleep on device 1 only: a peer late for the collective
+    that reads the result, but alive."""
+    if ctx.device.index == 1:
+        time.sleep(seconds)
+    return x + 1

@@ -38,6 +38,7 @@ log = logging.getLogger("dtorch")
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (RFC 27)
 RUNTIME_DOMAIN, CLUSTER_DOMAIN = b"dtorch", b"dtorch-cluster"
+_STOP = b"stop"  # a request of one frame, which libzmq never sends: the handler's end
 
 
 class Keys(NamedTuple):
@@ -87,6 +88,7 @@ class Gatekeeper:
 
     def __init__(self, ctx: zmq.Context, keys: Keys):
         self._members = {RUNTIME_DOMAIN: z85.decode(keys.member_public)}
+        self._ctx = ctx
         self._sock = ctx.socket(zmq.REP)
         self._sock.linger = 0
         self._sock.bind(_ZAP_ENDPOINT)
@@ -101,6 +103,9 @@ class Gatekeeper:
             except zmq.ZMQError:  # the context is terminating
                 sock.close(0)
                 return
+            if request == [_STOP]:
+                sock.close(0)
+                return
             version, request_id, domain, address, _identity, mechanism, *credentials = request
             member = self._members.get(domain)
             admitted = mechanism == b"CURVE" and member is not None and credentials == [member]
@@ -111,6 +116,16 @@ class Gatekeeper:
                             address.decode(errors="replace"), what)
             status = [b"200", b"OK"] if admitted else [b"400", b"not a member"]
             sock.send_multipart([version, request_id, *status, b"", b""])
+
+    def close(self) -> None:
+        """Ends the handler's thread, which closes its socket itself: ``Context.destroy``
+        would close it under the thread blocked reading it (libzmq then aborts)."""
+        stop = self._ctx.socket(zmq.REQ)
+        stop.linger = 0
+        stop.connect(_ZAP_ENDPOINT)
+        stop.send(_STOP)
+        self._thread.join()
+        stop.close(0)
 
     def admit(self, domain: bytes, keys: Keys) -> None:
         """Also admits ``keys``' members on the sockets ``serve``d in ``domain``."""

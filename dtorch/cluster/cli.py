@@ -5,34 +5,91 @@
 - ``dtorch token FILE``: writes a new cluster token (readable by its owner only), for the main
   node's ``MainNode.set_token_file`` (or ``DTORCH_TOKEN_FILE``) and every agent's
   ``--token-file``.
+
+Bad input (an argument, or a variable standing for one) is one line on stderr and exit status
+2, as argparse has it, never a traceback.
+
+>>> main(["node", "--main", "localhost:13000", "--token-file", "t"])
+2
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 USAGE = "usage: dtorch node [options] | dtorch token FILE   (dtorch node --help for options)"
 
 
+class UsageError(ValueError):
+    """Bad input to a ``dtorch`` command: ``main`` prints it on one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors are UsageErrors naming ``--help``."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} ({self.prog} --help lists the options)")
+
+
+def token(argv) -> int:
+    """``dtorch token FILE``."""
+    from .auth import write_token
+
+    p = Parser(prog="dtorch token", description="Writes a new cluster token (the cluster's "
+                                                "keys) to FILE, readable by its owner only.")
+    p.add_argument("file", metavar="FILE")
+    path = p.parse_args(argv).file
+    try:
+        write_token(path)
+    except FileExistsError:
+        raise UsageError(f"{path} exists; remove it first (agents holding the old token could "
+                         f"no longer join)") from None
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+    return 0
+
+
+def node(argv) -> int:
+    from .node import cli
+
+    return cli(argv)
+
+
+COMMANDS = {"node": node, "token": token}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["node"]:
-        from .node import cli
-
-        return cli(argv[1:])
-    if argv[:1] == ["token"] and len(argv) == 2:
-        from .auth import write_token
-
-        try:
-            write_token(argv[1])
-        except FileExistsError:
-            print(f"dtorch token: {argv[1]} exists; remove it first (agents holding the old "
-                  f"token could no longer join)", file=sys.stderr)
-            return 1
+    name = argv[0] if argv else None
+    if name in ("-h", "--help"):
+        print(USAGE)
         return 0
-    print(USAGE, file=sys.stderr)
-    return 2
+    if name not in COMMANDS:
+        what = "no command" if name is None else f"no command {name!r}"
+        print(f"dtorch: error: {what}; {USAGE}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name](argv[1:])
+    except UsageError as e:
+        print(f"dtorch {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# How to run ``dtorch`` without loading dtorch's public API (which imports torch, seconds on a
+# busy machine): the bare package the runtime's own processes boot with (``cluster/local.py``).
+_BOOT = ("import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
+         "sys.modules['dtorch'] = p; from dtorch.cluster.cli import main; sys.exit(main())")
+
+
+def command(*args) -> list:
+    """The argv that runs ``dtorch *args`` in a lean process."""
+    from .local import PACKAGE_DIR
+
+    return [sys.executable, "-c", _BOOT.format(pkg=PACKAGE_DIR), *map(str, args)]
+
+
+if __name__ == "__main__":  # python -m: the errors node.py raises are the package module's
+    from dtorch.cluster.cli import main as package_main
+
+    sys.exit(package_main())

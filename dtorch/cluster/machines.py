@@ -10,9 +10,10 @@ are up it sends NodeReady; only then does it count in the cluster, receive the d
 so far and every later batch (one copy per machine: the agent relays it to its hosts), and take
 part in syncs (the agent acknowledges a sync once all its hosts have).
 
-Both sides send a NodeBeat every ``config.heartbeat_interval_s``; a machine silent for
-``config.heartbeat_timeout_s`` (its agent killed or stopped, its network gone) fails the
-runtime with an error that names it. The cluster's rendezvous store (``cluster/store.py``) lives
+Both sides send a NodeBeat every ``config.heartbeat_interval_s``; a machine whose connection
+closed (its agent killed: the beat cannot be sent) or that is silent for
+``config.heartbeat_timeout_s`` (its agent stopped, its network gone) fails the runtime with an
+error that names it. The cluster's rendezvous store (``cluster/store.py``) lives
 here too, and so do the client's questions about the cluster (``ClusterQuery``), answered on a
 socket of the client's own once enough machines are ready or their time is up.
 """
@@ -40,6 +41,10 @@ class Machine:
     def describe(self) -> str:
         j = self.join
         return f"machine {self.index} ({j.name} at {j.address}, node agent pid {j.pid})"
+
+    def describe_closed(self) -> str:
+        return (f"{self.describe()} closed its connection (its node agent exited or was "
+                f"killed, or its network is gone)")
 
     def describe_silence(self) -> str:
         return (f"{self.describe()} sent nothing for {time.monotonic() - self.last_heard:.1f} s "
@@ -127,14 +132,17 @@ class Machines:
     def control(self, machine: Machine, record) -> bool:
         return self.send(machine, P.NODE_CONTROL, P.pack(record))
 
-    def beat(self) -> None:
-        now = time.monotonic()
-        if now - self.last_beat >= config.heartbeat_interval_s:
+    def beat(self, probe: bool = False) -> list:
+        """Beats every machine once a heartbeat interval (``probe``: now); returns those whose
+        connection has closed (the beat could not be sent: libzmq forgets a peer whose
+        connection closed, a killed agent's at once)."""
+        now, closed = time.monotonic(), []
+        if probe or now - self.last_beat >= config.heartbeat_interval_s:
             self.last_beat = now
             beat = P.pack(P.NodeBeat(P.NODE_BEAT))
-            for m in self.joined:
-                self.send(m, P.NODE_CONTROL, beat)  # a closed one is found silent
+            closed = [m for m in self.joined if not self.send(m, P.NODE_CONTROL, beat)]
         self.answer_queries(now)
+        return closed
 
     def silent(self) -> list:
         limit = config.heartbeat_timeout_s

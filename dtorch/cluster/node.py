@@ -39,13 +39,20 @@ import zmq
 
 from .. import config, protocol as P
 from . import auth, local
+from .cli import Parser, UsageError, command as dtorch_command
 
 log = logging.getLogger("dtorch")
 DEFAULT_WAIT_S = 600.0  # DTorch's worker --timeout-second
+# A main node that cannot read an agent's hello (another cluster's token) closes the connection
+# without a word, just as a main node that goes away in mid-handshake does (a runtime that
+# ends): the agent tells them apart by trying again. A wrong token fails every handshake; a
+# main node gone is not there to answer the next one (or a new one answers it).
+CUT_SHORT_LIMIT = 3  # handshakes cut short in a row, the main node listening each time
 
 
 class Refused(Exception):
-    """The main node refused this agent's handshake: the token is not the cluster's."""
+    """The main node refused this agent's handshake: the token is not the cluster's (or no
+    dtorch main node listens there)."""
 
 
 class Agent:
@@ -109,6 +116,7 @@ class Run:
         self.ready: set = set()  # identities of the hosts that said HOST_READY
         self.synced = collections.Counter()  # sync token -> hosts that acknowledged it
         self.heard = self.beaten = 0.0  # when the main controller was last heard, last beaten
+        self.cut_short = 0  # handshakes cut short since the last one that succeeded
 
     # -- the loop -------------------------------------------------------------------------------
     def serve(self, wait_s: float) -> bool:
@@ -146,14 +154,34 @@ class Run:
 
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
-            if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                raise Refused(f"the main node at {self.agent.main} refused this node agent: "
-                              f"its token file is not the cluster's (the main node's "
-                              f"MainNode.set_token_file / DTORCH_TOKEN_FILE)")
+            if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.on_cut_short()
+                continue
+            if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:  # refused by name (ZAP), or garbled
+                raise Refused(self.refusal(event))
+            self.cut_short = 0
             if self.welcome is None:  # (again after a reconnect: a join may have been lost)
                 a = self.agent
                 self.up.send(P.pack(P.NodeJoin(P.NODE_JOIN, a.name, a.bind, a.device_type,
                                                a.devices, a.rank, os.getpid())))
+
+    def on_cut_short(self) -> None:
+        """The connection closed in mid-handshake: the main node went away (zmq connects
+        again, to the next runtime), or it could not read this agent's keys."""
+        self.cut_short += 1
+        if self.cut_short >= CUT_SHORT_LIMIT:
+            raise Refused(self.refusal(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL))
+        log.warning("dtorch node: the connection to the main node at %s was lost during its "
+                    "handshake (the main node went away, or the network dropped it); trying "
+                    "again", self.agent.main)
+
+    def refusal(self, event: int) -> str:
+        main = f"the main node at {self.agent.main} refused this node agent"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return f"{main} (a handshake protocol error: is a dtorch main node listening there?)"
+        times = f" ({self.cut_short} handshakes in a row)" if self.cut_short else ""
+        return (f"{main}{times}: its token file is not the cluster's (the main node's "
+                f"MainNode.set_token_file / DTORCH_TOKEN_FILE)")
 
     def on_main(self, frames) -> bool:
         """A frame from the main controller; False once the runtime has ended."""
@@ -246,7 +274,7 @@ class Run:
 
 # -- the command line -------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dtorch node",
         description="A machine's node agent: joins the dtorch main node, runs this machine's "
                     "devices for it, and serves one runtime after another.")
@@ -269,40 +297,62 @@ def parser() -> argparse.ArgumentParser:
 
 def settings(argv, environ) -> argparse.Namespace:
     """The agent's settings: its arguments, then the environment (DTorch's variables, then
-    SLURM's: ``cluster/slurm.py``), then the defaults. Errors name the fix."""
+    SLURM's: ``cluster/slurm.py``), then the defaults. Bad input raises UsageError naming the
+    fix."""
     from . import slurm
     from .main_node import ENV as MAIN_ENV, TOKEN_ENV, check_address
 
     args = parser().parse_args(argv)
     under_slurm = slurm.defaults(environ)
+    source = "--main" if args.main else MAIN_ENV if environ.get(MAIN_ENV) else \
+        "SLURM_LAUNCH_NODE_IPADDR's main node"
     args.main = args.main or environ.get(MAIN_ENV) or under_slurm.get("main")
     if not args.main:
-        raise SystemExit("dtorch node: no main node: pass --main IPv4:PORT (or set "
-                         f"{MAIN_ENV})")
-    check_address(args.main, "--main")
+        raise UsageError(f"no main node: pass --main IPv4:PORT (or set {MAIN_ENV})")
+    try:
+        check_address(args.main, source)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     args.token_file = args.token_file or environ.get(TOKEN_ENV)
     if not args.token_file:
-        raise SystemExit(f"dtorch node: no token: pass --token-file FILE (or set {TOKEN_ENV}), "
-                         f"the file the main node reads (`dtorch token FILE` makes one)")
+        raise UsageError(f"no token: pass --token-file FILE (or set {TOKEN_ENV}), the file the "
+                         f"main node reads (`dtorch token FILE` makes one)")
     if args.rank is None:
         args.rank = under_slurm.get("rank", -1)
-    args.cpu_devices = args.cpu_devices or under_slurm.get("cpu_devices") or config.cpu_hosts
+    if args.cpu_devices is None:
+        args.cpu_devices = under_slurm.get("cpu_devices") or config.cpu_hosts
     if args.cpu_devices < 1:
-        raise SystemExit("dtorch node: --cpu-devices must be at least 1")
-    args.bind = args.bind or under_slurm.get("bind") or "127.0.0.1"
-    main_ip = args.main.rpartition(":")[0]
-    if args.bind == "auto":
-        args.bind = route_to(main_ip)
-    if not ipaddress.IPv4Address(main_ip).is_loopback and \
-            ipaddress.IPv4Address(args.bind).is_loopback:
-        raise SystemExit(f"dtorch node: the main node {args.main} is not on this machine, but "
-                         f"this machine's collectives would listen on {args.bind}, which other "
-                         f"machines cannot reach: pass --bind with this machine's address (or "
-                         f"--bind auto). dtorch listens beyond loopback only when asked.")
-    args.name = under_slurm.get("name")
+        raise UsageError("--cpu-devices must be at least 1")
     if args.timeout_second is None:
         args.timeout_second = DEFAULT_WAIT_S
+    if not args.timeout_second > 0:  # (NaN too)
+        raise UsageError("--timeout-second must be a number of seconds > 0")
+    args.bind = bind_address(args.bind or under_slurm.get("bind") or "127.0.0.1", args.main)
+    args.name = under_slurm.get("name")
     return args
+
+
+def bind_address(bind: str, main: str) -> str:
+    """The address the hosts' collectives listen on: ``bind``, or for ``auto`` the one that
+    routes to ``main``. A loopback address is refused when the main node is not on this
+    machine."""
+    main_ip = main.rpartition(":")[0]
+    if bind == "auto":
+        try:
+            bind = route_to(main_ip)
+        except OSError as e:
+            raise UsageError(f"--bind auto: no route to the main node {main_ip} "
+                             f"({e.strerror}); pass --bind with this machine's address") from None
+    try:
+        loopback = ipaddress.IPv4Address(bind).is_loopback
+    except ValueError:
+        raise UsageError(f"--bind {bind!r} is not an IPv4 address (nor 'auto')") from None
+    if loopback and not ipaddress.IPv4Address(main_ip).is_loopback:
+        raise UsageError(f"the main node {main} is not on this machine, but this machine's "
+                         f"collectives would listen on {bind}, which other machines cannot "
+                         f"reach: pass --bind with this machine's address (or --bind auto). "
+                         f"dtorch listens beyond loopback only when asked.")
+    return bind
 
 
 def route_to(ip: str) -> str:
@@ -313,14 +363,15 @@ def route_to(ip: str) -> str:
 
 
 def cli(argv=None, environ=None) -> int:
-    """``dtorch node``: returns the exit status."""
+    """``dtorch node``: returns the exit status; bad input raises UsageError (``dtorch``
+    prints it, exit status 2: ``cluster/cli.py``)."""
     environ = os.environ if environ is None else environ
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = settings(sys.argv[1:] if argv is None else argv, environ)
     try:
         keys = auth.read_token(args.token_file)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"dtorch node: {e}") from None
+        raise UsageError(str(e)) from None
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     # SIGTERM (srun's, Ray's) ends the agent through its finally blocks: its hosts stop too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     agent = Agent(args.main, keys, args.bind, args.cpu_devices, args.rank, args.name)
@@ -336,12 +387,6 @@ def cli(argv=None, environ=None) -> int:
     return 0
 
 
-# How to start an agent without loading dtorch's public API (which imports torch, seconds on a
-# busy machine): the bare package the runtime's own processes boot with (``cluster/local.py``).
-_BOOT = ("import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
-         "sys.modules['dtorch'] = p; from dtorch.cluster.node import cli; sys.exit(cli())")
-
-
 def command(*args) -> list:
-    """The argv that runs ``dtorch node *args`` in a lean process."""
-    return [sys.executable, "-c", _BOOT.format(pkg=local.PACKAGE_DIR), *map(str, args)]
+    """The argv that runs ``dtorch node *args`` in a lean process (``cli.command``)."""
+    return dtorch_command("node", *args)

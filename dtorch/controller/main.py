@@ -4,9 +4,10 @@ One loop polls three things: the client's batches, the hosts' messages (forwarde
 except sync acknowledgements, which it gathers), and the hosts' life pipes, which carry their
 heartbeats (see ``cluster/local.py``). A host that exits, or stays silent for
 ``config.heartbeat_timeout_s`` (then it is killed), ends the runtime with a Fatal error to the
-client instead of a hang. Hosts start when a mesh first names one of their devices, and each
-receives every batch: it runs the records that touch its devices, so the controller's cost does
-not grow with the device count.
+client instead of a hang; a collective's failure that a death may be behind waits for it
+(``controller/reports.py``), so that the client's first error names the death. Hosts start when
+a mesh first names one of their devices, and each receives every batch: it runs the records that
+touch its devices, so the controller's cost does not grow with the device count.
 
 Every socket is authenticated (``cluster/auth.py``). The process groups' rendezvous store is a
 file in a directory only this user can enter, not a network port: on one machine no other user
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import select
 import shutil
@@ -41,17 +43,15 @@ from .graph import LogicalGraph, Operator
 from .dot import to_dot
 from .passes import PASSES, Chain, StreamState
 from .replay import Replayer
+from .reports import DEATH_GRACE_S, Reports, collective_names
 
 
 # how long the tail of a batch that ended inside a loop waits for the next batch, whose first
 # window it begins (``Replayer.run``), before it is lowered alone
 HOLD_MS = 10
-
-# A killed host's peers can see its sockets close (and report a failed collective) before its
-# life pipe closes: the kernel closes a dying process's files in fd order. A host's Fatal waits
-# this long for a death to blame first; a death waits this long for the peers' reports of the
-# collectives it broke, so the client's error names the op and its call site.
-DEATH_GRACE_S = 0.5
+# while a failure report is held on a cluster's main node, how often it looks for a machine
+# whose connection has closed (libzmq forgets a closed peer a few ms after it sees the close)
+PROBE_MS = 10
 log = logging.getLogger("dtorch")
 
 
@@ -76,6 +76,10 @@ class Controller:
         self.results.setsockopt(zmq.LINGER, 2000)
         auth.join(self.results, keys)
         self.results.connect(results_addr)
+        # what the client is told, held while a failure may be a death's (controller/reports.py)
+        self.reports = Reports(lambda frames: self.results.send_multipart(frames, copy=False))
+        self.collectives, self._calls_seen = frozenset(), 0  # the ops whose failure is held
+        self.heard_after = 0.0  # a heartbeat read after this was written after the hold began
         self.host_sock = self.ctx.socket(zmq.ROUTER)
         self.host_sock.setsockopt(zmq.LINGER, 0)
         # A ROUTER silently drops what it cannot queue: never let it (no send limit), and make a
@@ -97,7 +101,7 @@ class Controller:
         self.syncs: dict = {}  # token -> hosts (or machines) yet to acknowledge
         # the process groups' rendezvous store (a torch FileStore), private to this user
         self.store_dir = tempfile.mkdtemp(prefix="dtorch-store-")
-        self.death = None  # (message, when to report it): a host died, its peers may report
+        self.death = None  # a host or machine died: the client's error, once its reports are in
         self.tracing = False  # a Trace on is in force: a host that starts now must trace too
         self.trace_events = None  # from a Trace on to its stop: each batch's passes
         self.graph_dir = config.graph_dir  # where each batch's graph goes (DOT), or None
@@ -111,10 +115,9 @@ class Controller:
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> None:
-        interval_ms = int(config.heartbeat_interval_s * 1000)
         while self.running:
             held = self.replayer.held
-            for sock, _ in self.poller.poll(HOLD_MS if held else interval_ms):
+            for sock, _ in self.poller.poll(self.poll_ms(held)):
                 if sock is self.ops:
                     self.on_client_frame(self.ops.recv(copy=False))
                 elif sock is self.host_sock:
@@ -124,13 +127,22 @@ class Controller:
                 elif self.machines is not None and sock is self.machines.watch.monitor:
                     self.machines.watch.on_event()
                 else:
-                    host = self.life_fds[sock]
-                    if not host.child.read_life():
+                    host = self.life_fds.get(sock)  # (None: found dead since the poll)
+                    if host is not None and not host.child.read_life():
                         self.on_host_exit(host)
             if held and self.replayer.held is held:  # no batch came to take them along
                 self.on_batch([], hold=False)
             self.check_hosts()
         self.stop()
+
+    def poll_ms(self, held) -> int:
+        """How long the loop may sleep: a heartbeat interval, less while records wait for the
+        next batch or while a report is held (on a cluster, which probes the machines)."""
+        ms = HOLD_MS if held else int(config.heartbeat_interval_s * 1000)
+        left = self.reports.left_s(time.monotonic())
+        if left is not None:
+            ms = min(ms, math.ceil(left * 1000), PROBE_MS if self.machines is not None else ms)
+        return ms
 
     def on_client_frame(self, frame) -> None:
         try:
@@ -187,8 +199,8 @@ class Controller:
                  + (f", {replayed} windows replayed" if replayed else ""), P.CONTROLLER,
                  P.CONTROLLER, started, time.time_ns(), 0))
             if stop is not None:  # the batch that stopped the trace: answer with the hosts
-                self.results.send(P.pack(P.TraceEvents(
-                    P.TRACE_EVENTS, stop, P.CONTROLLER, os.getpid(), 0, self.trace_events)))
+                self.reports.send(P.TRACE_EVENTS, [P.pack(P.TraceEvents(
+                    P.TRACE_EVENTS, stop, P.CONTROLLER, os.getpid(), 0, self.trace_events))])
                 self.trace_events = None
         self.send_to_hosts(records_out)
         for token, waiting in list(self.syncs.items()):
@@ -261,7 +273,7 @@ class Controller:
         report."""
         if isinstance(host, Machine):
             if not self.machines.send(host, P.NODE_BATCH, frame):
-                self.on_peer_death(host, f"{host.describe()} closed its connection")
+                self.on_peer_death(host, host.describe_closed())
             return
         try:
             self.host_sock.send_multipart([host.identity, frame], copy=False)
@@ -341,12 +353,39 @@ class Controller:
                 if not waiting:
                     self.ack_sync(request)
         else:
-            if tag == P.FATAL:  # a host failing as a peer host dies: name the death instead
-                if self.life_fds:  # (a machine's deaths come from its agent)
-                    self.report_dead_hosts(timeout=DEATH_GRACE_S)
-                if self.death is not None:
-                    return
-            self.results.send_multipart(frames[1:], copy=False)
+            holding = self.reports.holding
+            self.reports.send(tag, frames[1:], report=self.death_may_be_behind(tag, msg))
+            if self.reports.holding and not holding:
+                self.heard_after = self.look_for_deaths()
+
+    def death_may_be_behind(self, tag: int, msg) -> bool:
+        """A failure that a peer's death can cause: a collective's (its peers take part), or a
+        host's Fatal (a stream that failed as a peer died)."""
+        if tag == P.KERNEL_ERROR:
+            op = P.KernelError(*msg).op
+        elif tag == P.FETCH_FAILED:
+            op = P.FetchFailed(*msg).op
+        else:
+            return tag == P.FATAL
+        if len(self.graph.calls) != self._calls_seen:  # new call shapes since the last failure
+            self.collectives = collective_names(self.graph.calls)
+            self._calls_seen = len(self.graph.calls)
+        return op in self.collectives
+
+    def look_for_deaths(self) -> float:
+        """Reads every host's life pipe now (a death shows as its end, a beat in it was written
+        before now); returns when that was."""
+        for host in list(self.life_fds.values()):
+            if not host.child.read_life():
+                self.on_host_exit(host)
+        return time.monotonic()
+
+    def heard_from_all(self) -> bool:
+        """Every host has beaten since the hold began: none was dying when it began (a killed
+        process writes nothing). A node agent's beat does not vouch for its hosts: on a
+        cluster's main node a hold runs its course."""
+        return self.machines is None and all(
+            h.child.last_beat > self.heard_after for h in self.hosts.values())
 
     def report_dead_hosts(self, timeout: float) -> None:
         """Waits up to ``timeout`` for a host's life pipe to close, reading heartbeats on the
@@ -361,47 +400,58 @@ class Controller:
 
     def ack_sync(self, token: int) -> None:
         del self.syncs[token]
-        self.results.send(P.pack(P.Synced(P.SYNCED, token, -1)))
+        self.reports.send(P.SYNCED, [P.pack(P.Synced(P.SYNCED, token, -1))])
 
     def check_hosts(self) -> None:
-        """Kills a host that has been silent too long; reports a death once its grace ends."""
+        """Reports a death once a report of what it broke is in (or its grace has ended), ends
+        a hold that no death came to, kills a host silent too long, and finds machines gone."""
+        now = time.monotonic()
         if self.death is not None:
-            message, when = self.death
-            if time.monotonic() >= when:
-                self.fatal(message)
+            if self.reports.has_report or now >= self.reports.until:
+                self.fatal(self.death)
             return
+        if self.reports.holding and (now >= self.reports.until or self.heard_from_all()):
+            self.reports.release()
         for host in self.hosts.values():
             if host.child.is_silent():
                 host.child.kill()
                 self.on_host_death(host, host.child.describe_silence())
                 return
         if self.machines is not None:
-            self.machines.beat()
-            for machine in self.machines.silent():
-                if machine.ready:
-                    self.on_peer_death(machine, machine.describe_silence())
-                    return
-                log.warning("dtorch: %s; it left the cluster before it was ready",
-                            machine.describe_silence())
-                self.machines.drop(machine)
+            self.check_machines()
+
+    def check_machines(self) -> None:
+        """A machine whose connection has closed (probed at every beat, and often while a
+        report is held) or that has been silent too long fails the runtime, or leaves the
+        cluster if no program used it yet."""
+        lost = {m: m.describe_closed() for m in self.machines.beat(self.reports.holding)}
+        lost.update((m, m.describe_silence()) for m in self.machines.silent() if m not in lost)
+        for machine, how in lost.items():
+            if machine.ready:
+                self.on_peer_death(machine, how)
+                return
+            log.warning("dtorch: %s; it left the cluster before it was ready", how)
+            self.machines.drop(machine)
 
     def on_host_exit(self, host: HostHandle) -> None:
         host.child.popen.wait()
         self.on_host_death(host, host.child.describe_exit())
 
     def on_host_death(self, host: HostHandle, how: str) -> None:
-        if self.death is None:
+        if self.life_fds.pop(host.child.life_fd, None) is not None:
             self.poller.unregister(host.child.life_fd)
         self.on_peer_death(host, how)
 
     def on_peer_death(self, peer, how: str) -> None:
+        """The first death is the one to report; it waits (a hold) for the reports of the
+        collectives it broke, so that the client's error names them too."""
         if self.death is None:
-            self.death = (f"{how}; its devices' work is lost",
-                          time.monotonic() + DEATH_GRACE_S)
+            self.death = f"{how}; its devices' work is lost"
+            self.reports.hold()
 
     def fatal(self, message: str) -> None:
         try:
-            self.results.send(P.pack(P.Fatal(P.FATAL, message)))
+            self.reports.fatal(P.pack(P.Fatal(P.FATAL, message)))
         except zmq.ZMQError:
             pass
         self.running = False
@@ -412,6 +462,7 @@ class Controller:
         local.stop_all([h.child for h in self.hosts.values()], config.shutdown_timeout_s)
         shutil.rmtree(self.store_dir, ignore_errors=True)
         self.results.close(linger=2000)
+        self.gatekeeper.close()
         self.ctx.destroy(linger=0)
 
 
