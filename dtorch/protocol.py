@@ -277,6 +277,9 @@ class TraceEvents(NamedTuple):
 class Fatal(NamedTuple):
     tag: int
     message: str
+    # the KernelErrors of the collectives the cause broke (controller/reports.py): in the same
+    # message, so the client's first error names the cause and then what it broke
+    broke: list = ()
 
 
 # -- many machines --------------------------------------------------------------------------------

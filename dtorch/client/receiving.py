@@ -112,7 +112,9 @@ class Receiving:
             if entry:
                 entry[0]._finish(None)
         elif tag == P.FATAL:
-            self._die(msg[1])
+            fatal = P.Fatal(*msg)
+            broke = [P.KernelError(*e) for e in fatal.broke]
+            self._die(fatal.message, [self._describe(e.site, e.op, e.message) for e in broke])
 
     def _describe(self, site: int, op: str | None, message: str | None) -> str:
         where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"
@@ -120,10 +122,13 @@ class Receiving:
             return self.failures.get(site, f"an operator called at {where} failed on a device")
         return f"dtorch.{op} failed (called at {where}): {message}"
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, broke=()) -> None:
+        """Fails the runtime: ``message`` is the cause, ``broke`` the errors it caused (the
+        collectives a dead host broke, with their call sites), told after it."""
         if self.fatal is None:  # the first cause is the one to report
-            if self.errors:  # e.g. the collectives a dead host broke, with their call sites
-                message += f". Reported before that: {self.errors[0]}"
+            before = broke or self.errors
+            if before:
+                message += f". Reported before that: {before[0]}"
             self.fatal, self.alarm = message, True
         self._fail_all()
 

@@ -451,7 +451,7 @@ class Controller:
 
     def fatal(self, message: str) -> None:
         try:
-            self.reports.fatal(P.pack(P.Fatal(P.FATAL, message)))
+            self.reports.fatal(message)
         except zmq.ZMQError:
             pass
         self.running = False

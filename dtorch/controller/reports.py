@@ -8,9 +8,10 @@ order, and a machine's death is learnt only when the main node finds its connect
 collective's failure report starts a *hold*: it and everything after it (values, sync
 acknowledgements, other errors) wait, in order, until either
 
-- a death is found: the client is told the held kernel errors, then the death (``Fatal``), and
-  nothing else held, so the first error the user sees names the death (the client appends the
-  collective it broke, with its call site); or
+- a death is found: the client is told the death in one ``Fatal`` that carries the held kernel
+  errors, and nothing else held, so the first error the user sees names the death, then the
+  collective it broke with its call site (one message: no wait in between can see the
+  collective's error alone); or
 - every host has shown it is alive (a heartbeat written after the hold began), or
   ``DEATH_GRACE_S`` has passed: the held messages go on as they came.
 
@@ -20,13 +21,13 @@ so that the client's error still names the collective it broke.
 
 >>> sent = []
 >>> reports = Reports(lambda frames: sent.append(frames[0]))
->>> reports.send(P.KERNEL_ERROR, [b"gloo failed"], report=True)
+>>> reports.send(P.KERNEL_ERROR, [P.pack(["gloo failed"])], report=True)
 >>> reports.send(P.SYNCED, [b"synced"])
 >>> sent, reports.holding, reports.has_report
 ([], True, True)
->>> reports.fatal(b"host 1 died")
->>> sent  # the collective's report, then the death: not the sync that came after
-[b'gloo failed', b'host 1 died']
+>>> reports.fatal("host 1 died")
+>>> [P.unpack(frame) for frame in sent]  # the death with the report it broke, not the sync
+[[16, 'host 1 died', [['gloo failed']]]]
 """
 
 from __future__ import annotations
@@ -80,16 +81,15 @@ class Reports:
         for _, frames in held:
             self._send(frames)
 
-    def fatal(self, message) -> None:
-        """The runtime failed (``message``: a packed Fatal): the held kernel errors go first
-        (the collectives a death broke, which the client names after the death), then the
-        Fatal. The rest (values, acknowledgements, failed fetches) would reach the user before
-        the death's name; the Fatal fails whatever awaits them."""
-        for tag, frames in self.held:
-            if tag == P.KERNEL_ERROR:
-                self._send(frames)
+    def fatal(self, message: str) -> None:
+        """The runtime failed: one Fatal naming the cause and carrying the held kernel errors
+        (the collectives a death broke, which the client names after the death). The rest held
+        (values, acknowledgements, failed fetches) would reach the user before the death's
+        name: it goes, and the Fatal fails whatever awaits them."""
+        broke = [P.unpack(memoryview(frames[0])) for tag, frames in self.held
+                 if tag == P.KERNEL_ERROR]
         self.held, self.until, self.has_report = [], None, False
-        self._send([message])
+        self._send([P.pack(P.Fatal(P.FATAL, message, broke))])
 
 
 def collective_names(calls) -> frozenset:
