@@ -165,7 +165,11 @@ def test_the_store_parks_a_get_until_its_key_is_set():
     assert answers[-3:] == [2, 5, False]
 
 
-def test_one_machine_cannot_wait_for_more():
+def test_one_machine_cannot_wait_for_more(monkeypatch):
+    """(A program that is no main node: the cluster tests' settings put aside, as they may run
+    before this test or around it.)"""
+    monkeypatch.setattr(main_node, "_address", None)
+    monkeypatch.delenv(main_node.ENV, raising=False)
     assert main_node.cluster_settings() is None
     with pytest.raises(RuntimeError, match="set_address"):
         dtorch.MainNode.wait_cluster_ready(2, timeout_second=1)
@@ -301,11 +305,13 @@ class Cluster:
         self.port = free_port()
         self.main = f"127.0.0.1:{self.port}"
         self.agents: dict = {}  # bind address -> Popen
+        self.specs: dict = {}  # bind address -> (argv, env) it was started with
         # one host process per machine: a "machine" here shares two cores with the others
         self.env = {**os.environ, "DTORCH_CPU_HOSTS": "1"}
 
     def start(self, bind: str, devices: int = 2, token: str | None = None, argv=None,
               env=None) -> subprocess.Popen:
+        self.specs[bind] = (argv, env)  # (how ``keep`` starts it again)
         log = open(os.path.join(self.tmp, f"agent-{bind}-{len(self.agents)}.log"), "w+")
         argv = argv or node.command("--main", self.main, "--token-file", token or self.token,
                                     "--bind", bind, "--cpu-devices", devices)
@@ -326,40 +332,89 @@ class Cluster:
     def devices_of(self, bind: str) -> list:
         return [d.id for d in dtorch.cluster.devices() if d.address == bind]
 
-    def stop(self) -> None:
-        for proc in self.agents.values():
+    def stop(self, binds=None) -> None:
+        """Stops the agents of ``binds`` (default: all) and their hosts."""
+        procs = [p for b, p in self.agents.items() if binds is None or b in binds]
+        hosts = [pid for proc in procs for pid in children(proc.pid)]
+        for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
-        for proc in self.agents.values():
+        for proc in procs:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
             proc.log.close()
+        wait_until(lambda: not any(map(alive, hosts)), timeout=30)  # no host left behind
+
+    def keep(self, wanted) -> None:
+        """Makes the cluster the machines ``wanted`` (bind addresses), whatever an earlier test
+        did to it: an agent it killed is started again, one it added is stopped. When the
+        machines must change, the runtime stops first (the next call starts one that the
+        agents join)."""
+        running = {b for b, p in self.agents.items() if p.poll() is None}
+        if running == set(wanted) and dtorch.MainNode.num_node_in_cluster() == len(wanted):
+            return
+        dtorch.shutdown()
+        self.stop(running - set(wanted))
+        for bind in set(wanted) - running:
+            argv, env = self.specs.get(bind, (None, None))
+            self.start(bind, argv=argv, env=env)
+        assert dtorch.MainNode.wait_cluster_ready(len(wanted), timeout_second=READY_S), \
+            "".join(self.log_of(b) for b in wanted)
+        assert dtorch.MainNode.num_node_in_cluster() == len(wanted)
+
+
+TWO = ("127.0.0.2", "127.0.0.3")
+THIRD = "127.0.0.1"  # joins late, through srun's environment (``slurm_agent``)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """This session's runtime as the main node of two machines (127.0.0.2 and .3)."""
+def agents():
+    """This session's runtime as a cluster's main node, and the node agents started so far;
+    the fixtures below give each test the machines it needs, whatever the tests before it
+    killed or added (they run in any order)."""
     dtorch.shutdown()
     saved = main_node._address, main_node._token_file
     with tempfile.TemporaryDirectory(prefix="dtorch-cluster-") as tmp:
         c = Cluster(tmp)
         try:
-            c.start("127.0.0.2")
-            c.start("127.0.0.3")
             dtorch.MainNode.set_address(c.main)
             dtorch.MainNode.set_token_file(c.token)
-            assert dtorch.MainNode.wait_cluster_ready(2, timeout_second=READY_S), \
-                c.log_of("127.0.0.2") + c.log_of("127.0.0.3")
             yield c
         finally:
             dtorch.shutdown()
             main_node._address, main_node._token_file = saved
-            pids = [pid for proc in c.agents.values() for pid in children(proc.pid)]
             c.stop()
-            wait_until(lambda: not any(map(alive, pids)), timeout=30)  # no host left behind
+
+
+@pytest.fixture
+def cluster(agents):
+    """Two machines, 127.0.0.2 and .3 (devices 0, 1 and 2, 3)."""
+    agents.keep(TWO)
+    return agents
+
+
+@pytest.fixture
+def three_machines(agents):
+    """The two machines and a third that joined late (devices 4, 5)."""
+    if THIRD not in agents.specs:
+        agents.specs[THIRD] = slurm_agent(agents)
+    agents.keep((*TWO, THIRD))
+    return agents
+
+
+def slurm_agent(cluster) -> tuple:
+    """(argv, env) of an agent started as ``srun dtorch node`` would start it: the console
+    script, its main node and token from srun's environment."""
+    env = {"SLURM_JOB_ID": str(cluster.port - slurm.BASE_PORT), "SLURM_PROCID": "2",
+           "SLURMD_NODENAME": "fake-slurm-node", "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1",
+           "DTORCH_TOKEN_FILE": cluster.token}
+    script = os.path.join(os.path.dirname(sys.executable), "dtorch")
+    argv = [script, "node", "--cpu-devices", "2"] if os.path.exists(script) else \
+        [sys.executable, "-m", "dtorch.cluster.cli", "node", "--cpu-devices", "2"]
+    return argv, env
 
 
 def test_devices_are_numbered_machine_by_machine(cluster):
@@ -488,25 +543,20 @@ def test_the_controller_logs_a_refused_handshake(caplog):
 
 
 def test_a_machine_joining_late_serves_the_meshes_made_after(cluster):
-    """The third machine comes through srun's environment and the console script."""
+    """The third machine comes through srun's environment and the console script, while a
+    runtime serves the other two."""
     dtorch.sync()
     before = dtorch.cluster.devices()
-    env = {"SLURM_JOB_ID": str(cluster.port - slurm.BASE_PORT), "SLURM_PROCID": "2",
-           "SLURMD_NODENAME": "fake-slurm-node", "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1",
-           "DTORCH_TOKEN_FILE": cluster.token}
-    script = os.path.join(os.path.dirname(sys.executable), "dtorch")
-    argv = [script, "node", "--cpu-devices", "2"] if os.path.exists(script) else \
-        [sys.executable, "-m", "dtorch.cluster.cli", "node", "--cpu-devices", "2"]
-    cluster.start("127.0.0.1", argv=argv, env=env)
-    assert dtorch.MainNode.wait_cluster_ready(3, timeout_second=READY_S), \
-        cluster.log_of("127.0.0.1")
+    argv, env = slurm_agent(cluster)
+    cluster.start(THIRD, argv=argv, env=env)
+    assert dtorch.MainNode.wait_cluster_ready(3, timeout_second=READY_S), cluster.log_of(THIRD)
     devices = dtorch.cluster.devices()
     assert devices[:4] == before
     assert [(d.id, d.machine, d.name) for d in devices[4:]] == [
         (4, 3, "fake-slurm-node"), (5, 3, "fake-slurm-node")]
 
 
-def test_every_1d_transition_over_three_machines(cluster):
+def test_every_1d_transition_over_three_machines(three_machines):
     mesh = dtorch.DeviceMesh("cpu", list(range(6)))
     t = rand(7, 5, seed=6)
     for src in ONE_D:
@@ -514,7 +564,7 @@ def test_every_1d_transition_over_three_machines(cluster):
                   [[dst] for dst in ONE_D + [Partial("min")] if dst != src])
 
 
-def test_every_2d_transition_over_three_machines(cluster):
+def test_every_2d_transition_over_three_machines(three_machines):
     mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3], [4, 5]], mesh_dim_names=["dp", "tp"])
     t = rand(6, 4, seed=7)
     for src in TWO_D:
@@ -534,8 +584,8 @@ def _error_within_deadline(what: str) -> float:
 
 
 def test_a_killed_agent_is_a_client_error_within_5s(cluster):
-    """...naming its machine; its hosts exit with it, and a fresh runtime over the agents left
-    works (they stop their hosts when the runtime ends and join the next one)."""
+    """...naming its machine; its hosts exit with it, and a fresh runtime over the agent left
+    works (it stops its hosts when the runtime ends and joins the next one)."""
     victim = "127.0.0.3"
     machine = cluster.machine_of(victim)
     proc = cluster.agents[victim]
@@ -547,9 +597,9 @@ def test_a_killed_agent_is_a_client_error_within_5s(cluster):
     assert elapsed < DEADLINE_S, elapsed
     wait_until(lambda: not any(map(alive, hosts)), timeout=10)  # no orphan
     dtorch.shutdown()
-    assert dtorch.MainNode.wait_cluster_ready(2, timeout_second=READY_S)
-    assert dtorch.MainNode.num_node_in_cluster() == 2
-    mesh = dtorch.DeviceMesh("cpu", [0, 1, 2, 3])
+    assert dtorch.MainNode.wait_cluster_ready(1, timeout_second=READY_S)
+    assert dtorch.MainNode.num_node_in_cluster() == 1
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
     x = dtorch.from_torch(torch.arange(8.0), device_mesh=mesh, placements=[S0])
     assert torch.equal(x.redistribute(placements=[R]).to_torch(), torch.arange(8.0))
 
