@@ -193,18 +193,34 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple:
     return tuple(out)
 
 
-# reductions a dtype lacks: torch has no max or min of complex numbers, and no mean of bools
-_NO_REDUCTION = {"complex": ("max", "min"), "bool": ("avg",)}
+# reductions a dtype lacks: torch has no max or min of complex numbers, and torch's collectives
+# no average of integers or bools (gloo has none; a sum then an integer division would overflow
+# the dtype before dividing, and truncate)
+_NO_REDUCTION = {"complex": ("max", "min"), "integer": ("avg",)}
 
 
 def check_partials(placements, dtype: str) -> None:
-    """Refuses a Partial whose reduction a tensor of ``dtype`` (a name: ``"complex64"``) lacks,
-    at the call: the devices would fail (or, for bools, average into floats)."""
-    kind = "complex" if dtype.startswith("complex") else dtype
+    """Refuses a Partial whose reduction a tensor of ``dtype`` (a name: ``"complex64"``) lacks.
+    ``spec.intern_spec`` calls it for every spec it makes, so every path that would lay a
+    tensor out so (a factory, ``from_torch``, a redistribute, an operator's rule) raises at the
+    call, before anything is sent.
+
+    >>> check_partials((Partial("avg"),), "int32")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: Partial(reduce_op='avg') cannot hold an int32 tensor: ... use Partial('sum') ...
+    """
+    kind = ("complex" if dtype.startswith("complex") else
+            "integer" if dtype.startswith(("int", "uint")) or dtype == "bool" else dtype)
     for p in placements:
         if isinstance(p, Partial) and p.reduce_op in _NO_REDUCTION.get(kind, ()):
-            raise ValueError(f"{p!r} cannot hold a {dtype} tensor: there is no {p.reduce_op} of "
-                             f"{kind} values; use Replicate() or Partial('sum')")
+            article = "an" if dtype[0] in "aeiou" else "a"
+            if kind == "integer":
+                raise ValueError(f"{p!r} cannot hold {article} {dtype} tensor: torch's "
+                                 f"collectives have no average of {dtype} values; use "
+                                 f"Partial('sum') or a floating dtype")
+            raise ValueError(f"{p!r} cannot hold {article} {dtype} tensor: there is no "
+                             f"{p.reduce_op} of {kind} values; use Replicate() or "
+                             f"Partial('sum')")
 
 
 # -- placements given per mesh dim by name: redistribute_by_dict ---------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from .placement import Partial, Replicate, Shard, local_region, placements_str
+from .placement import Partial, Replicate, Shard, check_partials, local_region, placements_str
 
 
 class MeshInfo:
@@ -91,10 +91,13 @@ _NEW_SPEC = threading.Lock()  # two threads making one spec get the same object
 
 
 def intern_spec(shape, dtype: str, mesh, placements) -> TensorSpec:
-    """The one TensorSpec with these fields (created on first use)."""
+    """The one TensorSpec with these fields (created on first use, after ``check_partials``:
+    so every layout made anywhere has passed the one rule of which Partials a dtype can
+    hold)."""
     key = (tuple(shape), dtype, mesh, tuple(placements))
     spec = _SPECS.get(key)
     if spec is None:
+        check_partials(key[3], dtype)
         with _NEW_SPEC:
             spec = _SPECS.get(key)
             if spec is None:

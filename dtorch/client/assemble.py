@@ -31,9 +31,8 @@ def _reduce(op: str, blocks):
         out = blocks[0].to(torch.float32 if dtype in LOW_PRECISION else dtype, copy=True)
         for b in blocks[1:]:
             out += b
-        if op == "avg":  # integers divide as the collectives do: by floor
-            exact = out.is_floating_point() or out.is_complex()
-            out = out / len(blocks) if exact else out.div(len(blocks), rounding_mode="floor")
+        if op == "avg":  # of floating or complex values only (``placement.check_partials``)
+            out /= len(blocks)
         return out.to(dtype)
     fn = torch.maximum if op == "max" else torch.minimum
     out = blocks[0]

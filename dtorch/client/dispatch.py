@@ -19,7 +19,7 @@ from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import COMM, INPLACE, freeze, lookup
 from ..ops.rules import Call, inplace_error
-from ..placement import Replicate, check_partials, normalize_placements
+from ..placement import Replicate, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor, symbol
 from . import session as _session
@@ -356,7 +356,6 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     if mesh.device_type != spec.mesh.device_type:
         raise NotImplementedError("moving a tensor between device types is not supported yet")
     placements = normalize_placements(placements, len(mesh.shape), len(spec.shape))
-    check_partials(placements, spec.dtype)
     if mesh == spec.mesh and placements == spec.placements:
         return t
     s = _session.current()

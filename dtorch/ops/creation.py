@@ -30,7 +30,7 @@ import torch
 
 from .. import protocol as P
 from ..mesh import DeviceMesh
-from ..placement import as_int, check_partials, is_int, normalize_placements
+from ..placement import as_int, is_int, normalize_placements
 from ..tensor import Tensor
 from .registry import OpDef, issue, lookup, register
 from .rules import Placed
@@ -41,11 +41,9 @@ LAYOUT = "dtype=None, device_mesh=None, placements=None"
 
 
 def creation_rule(call) -> Placed:
-    shape, dtype = call.outs[0]
-    placements = normalize_placements(call.static.get("placements"), len(call.mesh.shape),
-                                      len(shape))
-    check_partials(placements, str(dtype)[6:])
-    return Placed((placements,))
+    shape = call.outs[0][0]
+    return Placed((normalize_placements(call.static.get("placements"), len(call.mesh.shape),
+                                        len(shape)),))
 
 
 SEQUENCES = (tuple, list, torch.Size)
@@ -409,15 +407,15 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     """A tensor whose value is ``data``: a torch tensor, a NumPy array, nested lists or
     numbers (``torch.tensor``'s rules, in the graph's default dtype for floats), or a dtorch
     tensor (then an alias of its blocks, moved to ``device_mesh``/``placements`` when given)."""
-    if isinstance(data, Tensor):
-        out = data.detach()
-        if dtype is not None:
-            out = out.to(dtype)
-        if device is not None or device_mesh is not None:
-            _, mesh = layout("tensor", None, device, device_mesh, graph, floating=False)
-            return with_grad(out.redistribute(mesh, placements), requires_grad)
-        out = out if placements is None else out.redistribute(placements=placements)
-        return with_grad(out, requires_grad)
+    if isinstance(data, Tensor):  # cast and moved first, so a layout refused issues nothing
+        with torch.no_grad():
+            out = data if dtype is None else data.to(dtype)
+            if device is not None or device_mesh is not None:
+                _, mesh = layout("tensor", None, device, device_mesh, graph, floating=False)
+                out = out.redistribute(mesh, placements)
+            elif placements is not None:
+                out = out.redistribute(placements=placements)
+        return with_grad(out.detach(), requires_grad)
     if not isinstance(data, torch.Tensor):
         if dtype is None:
             data = torch.tensor(data)

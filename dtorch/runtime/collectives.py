@@ -87,13 +87,9 @@ def all_reduce(ctx, x, mesh_dim):
 
 
 def _divide(t: torch.Tensor, n: int) -> None:
-    """An average's sum over the group size, in place (gloo has no average). Integers divide
-    exactly when their contributions are copies of one value (a factory's): floor division
-    keeps the dtype, where true division would need a float result."""
-    if t.is_floating_point() or t.is_complex():
-        t.div_(n)
-    else:
-        t.div_(n, rounding_mode="floor")
+    """An average's sum over the group size, in place (gloo has no average; an average is of
+    floating or complex values only: ``placement.check_partials``)."""
+    t.div_(n)
 
 
 def _nan_mask(op: str, t: torch.Tensor):
