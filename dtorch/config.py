@@ -43,6 +43,11 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   read gets: a host splits a read of at least twice this over its torch threads
   (``ops/checkpoint.py``; copying from the page cache is memory-bound, one thread does not
   saturate it). 8 MiB by default.
+- bucket_bytes (DTORCH_BUCKET_BYTES): the bytes of tensors on their way to one layout (the
+  backward's gradients into ``.grad``, ZeRO's updated chunks back into the parameters) that
+  fill a bucket, which then goes at once as one coalesced collective (``ops/coalesced.py``):
+  small tensors share one collective's latency, and a full bucket's collective runs while the
+  work after it computes. Read by the client as each tensor joins a bucket. 4 MiB by default.
 
 DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
 set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
@@ -75,6 +80,7 @@ cuda_graphs = os.environ.get("DTORCH_CUDA_GRAPHS", "1") != "0"
 fusion_cache_dir = os.environ.get("DTORCH_FUSION_CACHE") or os.path.join(
     os.path.expanduser("~"), ".cache", "dtorch", "inductor")
 read_split_min = int(os.environ.get("DTORCH_READ_SPLIT_MIN", str(8 << 20)))
+bucket_bytes = int(os.environ.get("DTORCH_BUCKET_BYTES", str(4 << 20)))
 machine_devices = None
 
 

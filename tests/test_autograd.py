@@ -147,6 +147,40 @@ def test_gradients_laid_out_alike_share_one_collective(grad_placements, collecti
         torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 4096], ids=["default", "4KiB"])
+@pytest.mark.parametrize("extra,collectives", [(-1, 1), (0, 1), (1, 2)],
+                         ids=["just-under", "exactly", "just-over"])
+@pytest.mark.parametrize("grad_placements,kind", [(None, "all_reduce"),
+                                                  ([S0], "reduce_scatter")])
+def test_gradients_fill_a_bucket_to_its_size(grad_placements, kind, extra, collectives,
+                                             bucket_bytes, mesh2):
+    """Three data-parallel gradients totalling one float less than a bucket, exactly a
+    bucket, or one float more: one coalesced collective, one, or two (the bucket, full, then
+    the float that would have overfilled it, alone: a plain redistribute step). At the
+    default size (``config.bucket_bytes``, 4 MiB) and at a small one the knob sets; torch's
+    values either way, reduced into ``.grad`` (or, ZeRO-2's, scattered into its shards)."""
+    floats = (bucket_bytes or dtorch.config.bucket_bytes) // 4
+    sizes = [floats // 2, floats - floats // 2 - 2, 1 + extra + 1]
+    assert sum(sizes) == floats + extra
+    xs = [g(2, n, seed=k) for k, n in enumerate(sizes)]
+    ts, ds = leaves([g(n, seed=10 + k) for k, n in enumerate(sizes)], mesh2, [[R]] * 3)
+    for d in ds:
+        d.grad_placements = grad_placements
+    sum((x * w).sum(1) for x, w in zip(xs, ts)).backward(torch.ones(2))
+    dxs = [dtorch.from_torch(x, device_mesh=mesh2, placements=[S0]) for x in xs]
+    rows = sum((x * w).sum(1) for x, w in zip(dxs, ds))  # S(0): no collective but the grads'
+    ones = dtorch.from_torch(torch.ones(2), device_mesh=mesh2, placements=[S0])
+    knob = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    with dtorch.config.override(**knob), dtorch.profiler.profile() as prof:
+        rows.backward(ones)
+        dtorch.sync()
+    comm = [e["name"] for e in prof.kernels() if e["pid"] == 0 and e["cat"] == "comm"]
+    assert sorted(comm) == sorted([f"{kind}_coalesced", f"step:{kind}"][:collectives]), comm
+    for t, d in zip(ts, ds):
+        assert d.grad.placements == (grad_placements or [R])
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=0, rtol=0)
+
+
 def test_gradient_through_a_coalesced_all_reduce(grid):
     """``all_reduce_coalesced`` differentiates through its collective: the results are the
     operands' values, so their gradients come back whole (the same all-reduce, backwards)."""

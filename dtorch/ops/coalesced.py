@@ -45,6 +45,7 @@ import math
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, ReduceScatterOptions
 
+from .. import config
 from ..placement import Partial, Replicate, Shard, chunk_sizes
 from ..runtime.collectives import _widen, _wire
 from .exchange import exchange
@@ -235,8 +236,6 @@ register(OpDef("all_gather_coalesced", "all_gather_coalesced(tensors: TensorList
 
 # -- buckets ----------------------------------------------------------------------------------
 
-BUCKET_BYTES = 4 << 20
-
 
 def coalescing(src, dst):
     """How ``src`` becomes ``dst`` (one mesh) by a collective that coalesces, every other
@@ -265,9 +264,12 @@ def coalescing(src, dst):
 class Buckets:
     """Tensors on their way to new layouts, each then handed to ``deliver(owner, tensor)``.
     Those whose change ``coalescing`` names wait in a bucket per (mesh, dtype, change) and go
-    as one coalesced collective once the bucket holds ``BUCKET_BYTES`` or ``flush`` is called:
-    so the collective of a full bucket runs on the communication stream while the work issued
-    after it computes. The others are redistributed and delivered at once."""
+    as one coalesced collective once the bucket holds ``config.bucket_bytes`` (the tensors'
+    whole sizes) or ``flush`` is called, so the collective of a full bucket runs on the
+    communication stream while the work issued after it computes. A bucket never holds more
+    (a tensor that would overfill it sends it first, then starts the next; one larger than a
+    bucket goes alone): tensors of one bucket's size go in one collective, a byte more in two.
+    The others are redistributed and delivered at once."""
 
     def __init__(self, deliver):
         self.deliver = deliver
@@ -277,13 +279,19 @@ class Buckets:
         how = coalescing(t._spec, target)
         if how is None:
             return self.deliver(owner, laid_out(t, target))
-        key = (target.mesh, target.dtype, how)
+        key, limit = (target.mesh, target.dtype, how), config.bucket_bytes
         entries, size = self.open.get(key, ([], 0))
+        nbytes = t.numel() * t.dtype.itemsize
+        if entries and size + nbytes > limit:  # t would overfill the bucket: it goes first
+            self._send(how, entries)
+            entries, size = [], 0
         entries.append((owner, t, target))
-        size += t.numel() * t.dtype.itemsize
-        self.open[key] = (entries, size)
-        if size >= BUCKET_BYTES:
-            self._send(how, self.open.pop(key)[0])
+        size += nbytes
+        if size >= limit:
+            self.open.pop(key, None)
+            self._send(how, entries)
+        else:
+            self.open[key] = (entries, size)
 
     def flush(self) -> None:
         for (_, _, how), (entries, _) in self.open.items():
