@@ -109,6 +109,8 @@ class Tensor:
 
     @grad.setter
     def grad(self, value) -> None:
+        if value is not None:
+            check_grad(self, value)
         self._grad = value
 
     @property
@@ -272,6 +274,34 @@ class Tensor:
 
     def _short(self) -> str:
         return f"Tensor#{self._id}{list(self._spec.shape)}{placements_str(self._spec.placements)}"
+
+
+def check_grad(tensor: Tensor, grad) -> None:
+    """What torch checks when a ``.grad`` is assigned, with its exception types and words: a
+    tensor (a dtorch one), not the tensor itself, of its shape and dtype, on its device (its
+    mesh). Any placements pass: the optimizers and ``clip_grad_norm_`` lay a gradient out as
+    they need it, and ``backward`` accumulates into the layout it finds."""
+    if not isinstance(grad, Tensor):
+        fix = ("; lay it out first: dtorch.from_torch(grad, device_mesh=..., placements=...)"
+               if isinstance(grad, torch.Tensor) else "")
+        raise TypeError(f"assigned grad expected to be a dtorch.Tensor or None but got grad of "
+                        f"type {type(grad).__name__}{fix}")
+    if grad is tensor:
+        raise RuntimeError("can't assign Variable as its own grad")
+    spec, other = tensor._spec, grad._spec
+    if other.shape != spec.shape:
+        raise RuntimeError(f"attempting to assign a gradient of size '{list(other.shape)}' to "
+                           f"a tensor of size '{list(spec.shape)}'. Please ensure that the "
+                           f"gradient and the tensor are the same size")
+    if other.dtype != spec.dtype:
+        raise RuntimeError(f"attempting to assign a gradient with dtype '{other.dtype}' to a "
+                           f"tensor with dtype '{spec.dtype}'. Please ensure that the gradient "
+                           f"and the tensor have the same dtype (grad.to(torch.{spec.dtype}))")
+    if other.mesh != spec.mesh:
+        raise RuntimeError(f"attempting to assign a gradient on {other.mesh!r} to a tensor on "
+                           f"{spec.mesh!r}. Please ensure that the gradient and the tensor are "
+                           f"on the same mesh (grad.redistribute(device_mesh=..., "
+                           f"placements=...))")
 
 
 def tensors_redistribute_by_dict(tensors, device_mesh=None, placements_dict=None, **options):

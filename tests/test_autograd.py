@@ -482,3 +482,73 @@ def test_every_unary_and_binary_function_differentiates_as_torch(mesh2):
     print(f"\n{len(done)} functions checked: {sorted(done)}")
     assert {"exp", "log", "tanh", "sigmoid", "mul", "div", "atan2", "pow", "var"} <= done
     assert len(done) >= 55
+
+
+# -- assigning .grad ------------------------------------------------------------------------------
+
+GRADS = [  # (id, the torch gradient for a float32 (4, 2) leaf, the dtorch one for its copy)
+    ("a-number", lambda: 3.0, lambda mesh: 3.0),
+    ("a-list", lambda: [1.0], lambda mesh: [1.0]),
+    ("another-size", lambda: torch.ones(2, 4), lambda mesh: dtorch.ones(2, 4, device_mesh=mesh)),
+    ("a-scalar", lambda: torch.ones(()), lambda mesh: dtorch.ones((), device_mesh=mesh)),
+    ("another-dtype", lambda: torch.ones(4, 2, dtype=torch.float64),
+     lambda mesh: dtorch.ones(4, 2, dtype=torch.float64, device_mesh=mesh)),
+    ("an-int-dtype", lambda: torch.ones(4, 2, dtype=torch.int64),
+     lambda mesh: dtorch.ones(4, 2, dtype=torch.int64, device_mesh=mesh)),
+    # torch's device is dtorch's mesh
+    ("another-device", lambda: torch.ones(4, 2, device="meta"),
+     lambda mesh: dtorch.ones(4, 2, device_mesh=dtorch.DeviceMesh("cpu", [2, 3]))),
+]
+
+
+@pytest.mark.parametrize("row", GRADS, ids=[r[0] for r in GRADS])
+def test_a_grad_torch_refuses_is_refused_at_the_assignment(row, mesh2):
+    """``w.grad = g`` checks what torch checks, raising torch's exception type in its words, at
+    the assignment (before, such a gradient failed the optimizer's kernel and left ``w``
+    failed); ``w.grad`` stays as it was."""
+    _, torch_grad, dtorch_grad = row
+    t = torch.ones(4, 2, requires_grad=True)
+    with pytest.raises(Exception) as theirs:  # noqa: PT011 - whatever torch raises
+        t.grad = torch_grad()
+    d = dtorch.nn.Parameter(dtorch.ones(4, 2, device_mesh=mesh2, placements=[S0]))
+    grad = dtorch_grad(mesh2)
+    with pytest.raises(theirs.type) as ours:
+        d.grad = grad
+    assert str(ours.value).split()[:3] == str(theirs.value).split()[:3]  # "attempting to assign"
+    assert d.grad is None
+
+
+def test_the_grad_checks_dtorch_adds(mesh2):
+    """A torch tensor is not a dtorch one (TypeError naming ``from_torch``); a tensor is not its
+    own grad (torch's RuntimeError); any placements of the right shape, dtype and mesh pass."""
+    d = dtorch.nn.Parameter(dtorch.ones(4, 2, device_mesh=mesh2, placements=[S0]))
+    with pytest.raises(TypeError, match="dtorch.from_torch"):
+        d.grad = torch.ones(4, 2)
+    t = torch.ones(4, 2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="can't assign Variable as its own grad"):
+        t.grad = t
+    with pytest.raises(RuntimeError, match="can't assign Variable as its own grad"):
+        d.grad = d
+    for placements in ([R], [S1], [Partial()], [Partial("max")]):
+        d.grad = dtorch.ones(4, 2, device_mesh=mesh2, placements=placements)
+        assert d.grad.placements == placements
+    d.grad = None
+    assert d.grad is None
+
+
+@pytest.mark.parametrize("placements", [[S1], [R], [Partial()]], ids=str)
+def test_backward_adds_into_a_grad_assigned_in_another_layout(placements, mesh2):
+    """A gradient the user assigned keeps its layout: the backward's is laid out as it before
+    the sum (torch adds into the gradient it finds). An optimizer then steps with it."""
+    w, first = g(4, 6), g(4, 6, seed=1)
+    t = w.clone().requires_grad_()
+    t.grad = first.clone()
+    (t.sin() * 3).sum().backward()
+    d = dtorch.nn.Parameter(dtorch.from_torch(w, device_mesh=mesh2, placements=[S0]))
+    d.grad = dtorch.from_torch(first, device_mesh=mesh2, placements=placements)
+    (d.sin() * 3).sum().backward()
+    assert d.grad.placements == placements
+    torch.testing.assert_close(d.grad.to_torch(), t.grad, atol=1e-6, rtol=1e-6)
+    torch.optim.SGD([t], lr=0.1).step()
+    dtorch.optim.SGD([d], lr=0.1).step()
+    torch.testing.assert_close(d.to_torch(), t.detach(), atol=1e-6, rtol=1e-6)

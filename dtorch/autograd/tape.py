@@ -370,8 +370,9 @@ def _land(buckets, leaf, g) -> None:
 
 
 def _accumulate(leaf, g) -> None:
-    """``g`` into ``leaf.grad`` (torch adds to a gradient already there)."""
-    leaf.grad = g if leaf.grad is None else leaf.grad + g
+    """``g`` into ``leaf.grad`` (torch adds to a gradient already there, which keeps the
+    layout it has: one the user assigned may differ from ``_grad_spec``)."""
+    leaf.grad = g if leaf.grad is None else leaf.grad + laid_out(g, leaf.grad._spec)
 
 
 def _grad_spec(leaf):
