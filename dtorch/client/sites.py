@@ -3,8 +3,10 @@ record and comes back in the errors that name it (``names[index]``).
 
 A site is found by the calling frame's code object and bytecode offset, both free to read: a
 line number costs a walk of the code's line table, paid once per call site. Frames of dtorch's
-own code are skipped. Any thread may look up a site; the tables grow under a lock (a lookup that
-finds its entry takes none), so two threads never give two sites one index.
+own code are skipped, and torch's: its decorators (``torch.no_grad`` around an optimizer's
+``step``, the optimizer's profiling hook) and ``Module.__call__`` are never the user's line.
+Any thread may look up a site; the tables grow under a lock (a lookup that finds its entry
+takes none), so two threads never give two sites one index.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import os
 import sys
 import threading
 
+import torch
+
 MAX_CODES = 4096  # code objects whose call sites are kept looked up
-_INSIDE: dict = {}  # ``by_code``'s mark for dtorch's own code
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INSIDE: dict = {}  # ``by_code``'s mark for dtorch's own code and torch's
+_SKIPPED_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 class CallSites:
@@ -30,8 +35,8 @@ class CallSites:
         self._lock = threading.Lock()
 
     def site(self, depth: int = 2) -> int:
-        """Index of the user's ``file:line``: the first frame outside dtorch, from ``depth``
-        frames up (2: the caller of the caller)."""
+        """Index of the user's ``file:line``: the first frame outside dtorch and torch, from
+        ``depth`` frames up (2: the caller of the caller)."""
         try:
             f = sys._getframe(depth)
         except ValueError:  # called from C with no user frame below (a thread's target)
@@ -61,7 +66,7 @@ class CallSites:
                 self.codes.clear()
                 self.by_code.clear()
             self.codes.append(code)
-            sites = _INSIDE if code.co_filename.startswith(_PACKAGE_DIR) else {}
+            sites = _INSIDE if code.co_filename.startswith(_SKIPPED_DIRS) else {}
             self.by_code[id(code)] = sites
         return sites
 
