@@ -51,6 +51,8 @@ VIEW = 2  # output aliases operand 0's storage
 IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
 RECORD = 16  # autograd records it: the host keeps its autograd graph for the backward
+OVERWRITES = 32  # an INPLACE call that writes every element of operand 0 and reads none: it
+# runs on an operand 0 that carries a failure, and clears it (``stream.Blob.overwritable``)
 WRITES = 1 << 8  # WRITES << k: an INPLACE call also writes its operand k in place (``writes``)
 
 
@@ -124,7 +126,7 @@ class DefineCall(NamedTuple):
     inputs: list  # spec id per operand; 0 for a Python scalar (passed by value)
     outputs: list  # spec id per output
     static: bytes  # msgpack of the static args, decoded only by hosts (see pack_static)
-    flags: int  # INPLACE, VIEW, IMPURE, COMM, RECORD, WRITES (above)
+    flags: int  # INPLACE, VIEW, IMPURE, COMM, RECORD, OVERWRITES, WRITES (above)
 
 
 class DefineProgram(NamedTuple):

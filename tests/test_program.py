@@ -21,11 +21,14 @@ from dtorch.runtime.program import (
     mark_frees,
     straight_line,
 )
+from dtorch.runtime.host import KernelRun
 from dtorch.runtime.stream import Blob
 
 
-def kernel(name, fn, **kwargs):
-    return SimpleNamespace(name=name, fn=fn, kwargs=kwargs)
+def kernel(name, fn, overwrites=False, **kwargs):
+    """A HostCall as a program's steps read it (``overwrites``: protocol.OVERWRITES)."""
+    return SimpleNamespace(name=name, fn=fn, kwargs=kwargs, overwrites=overwrites, comm=False,
+                           saves=False)
 
 
 def fail(x, y):
@@ -142,3 +145,72 @@ def test_a_lowering_is_generated_once_it_has_run_often():
         assert lowering.fast_function() is None
     fast = lowering.fast_function()
     assert fast is not None and lowering.fast_function() is fast
+
+
+# -- a full write over a failure: the kernel loop and replays share one rule --------------------
+
+COPY_ = kernel("copy_", lambda ctx, x, y: x.copy_(y), overwrites=True)
+ADD_CTX_ = kernel("add_", lambda ctx, x, y: x.add_(y))
+EARLIER = (9, "earlier", "RuntimeError: boom")
+# outside blobs: (tensor it holds, its failure, a view): a value, failures with and without a
+# tensor, a view never made, a failed source
+OUTSIDE_BLOBS = [(torch.arange(4.0), None, False), (torch.ones(4), EARLIER, False),
+                 (None, EARLIER, False), (None, EARLIER, True), (torch.ones(4), EARLIER, False),
+                 (torch.zeros(4), None, False), (None, EARLIER, False)]
+# (call, operand 0, operand 1): o1, o2 overwritten (repaired); o3 stays failed (a view's storage
+# is its base's); o4 is added to, which reads it (stays failed); o5 is overwritten from a
+# failed source (fails)
+WRITES = [(COPY_, 1, 0), (COPY_, 2, 0), (COPY_, 3, 0), (ADD_CTX_, 4, 0), (COPY_, 5, 6)]
+
+
+def outside_blobs() -> list:
+    spec = SimpleNamespace(dtype="float32")
+    blobs = []
+    for tensor, error, view in OUTSIDE_BLOBS:
+        b = Blob(spec, None if tensor is None else tensor.clone(), view=view)
+        b.error = error
+        blobs.append(b)
+    return blobs
+
+
+def context():
+    return SimpleNamespace(out_local_shape=(4,), device=SimpleNamespace(
+        torch_device=torch.device("cpu")))
+
+
+def write_one_by_one() -> tuple:
+    """Each write as a kernel of its own (``host.KernelRun``, how the passes' lowering runs)."""
+    outside, host = outside_blobs(), Host()
+    for site, (call, dst, src) in enumerate(WRITES):
+        KernelRun([(call, context(), [outside[dst], outside[src]], site)], [outside[dst]], None,
+                  host, 100 + dst)()
+    return outside, host.sent
+
+
+def write_replayed(fast: bool) -> tuple:
+    """The same writes as one replayed program, by the loop or by the generated function."""
+    steps = [Step(call, context(), ((OUTSIDE, dst), (OUTSIDE, src)), site, (-1 - dst,))
+             for site, (call, dst, src) in enumerate(WRITES)]
+    mark_frees(steps)
+    reads = list(range(len(OUTSIDE_BLOBS)))
+    lowering = Lowering(steps, reads, set())
+    if fast:
+        lowering.fast = straight_line(steps, reads, set())
+    outside, host = outside_blobs(), Host()
+    ProgramRun(lowering, outside, {}, ([100 + k for k in reads], []), [], host)()
+    return outside, host.sent
+
+
+@pytest.mark.parametrize("replayed", ["loop", "generated"])
+def test_a_full_write_clears_a_failure_alike_in_kernels_and_replays(replayed):
+    """``Blob.overwritable`` is the one rule: a full write (``protocol.OVERWRITES``) over a
+    failed blob writes its storage, or a fresh block where it has none, and the blob holds a
+    value again; a view never made stays failed, and so does a blob a kernel reads (``add_``)
+    or one written from a failed source. Kernel by kernel and replayed, the same blobs, and
+    nothing told (each failure was told when it happened)."""
+    one, one_sent = write_one_by_one()
+    replay, replay_sent = write_replayed(replayed == "generated")
+    assert state(dict(enumerate(one))) == state(dict(enumerate(replay)))
+    assert one_sent == replay_sent == []
+    assert [b.error for b in one] == [None, None, None, EARLIER, EARLIER, EARLIER, EARLIER]
+    assert one[1].tensor.tolist() == one[2].tensor.tolist() == [0.0, 1.0, 2.0, 3.0]

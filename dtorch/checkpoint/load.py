@@ -18,7 +18,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm.auto import tqdm
 
-from ..nn.modules.module import mismatch
+from ..nn.modules.module import check_loaded, mismatch
 from ..nn.parameter import Parameter
 from ..ops.checkpoint import pack_pieces, read_block, read_into
 from ..tensor import Tensor
@@ -80,6 +80,7 @@ def load_checkpoint(module, path, *, key_map=None, dtype=None, strict=True, prog
     # file by file, in file order: each host's reads go forward through each file
     keys.sort(key=lambda k: entries[k].pieces[0][:2] if entries[k].pieces else ("", 0))
     read_all(keys, targets, entries, progress)
+    check_loaded(module, {k: targets[k] for k in keys if isinstance(targets[k], Tensor)})
     return _IncompatibleKeys(missing, unexpected)
 
 

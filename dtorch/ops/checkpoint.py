@@ -66,7 +66,7 @@ from .. import config
 from .. import protocol as P
 from ..placement import Partial, Shard
 from ..tensor import Tensor
-from .registry import IMPURE, INPLACE, OpDef, issue, register
+from .registry import IMPURE, INPLACE, OVERWRITES, OpDef, issue, register
 from .rules import Placed
 
 # safetensors' dtype names (the format's own table; torch lacks some on older versions)
@@ -213,14 +213,8 @@ def _pread(fd, pos: int, buffers) -> None:
             views[0] = views[0][got:]
 
 
-def _holds_value(ctx) -> bool:
-    """``ctx.partition``'s rule: on a Partial sum mesh dim only coordinate 0 keeps the value."""
-    return not any(isinstance(p, Partial) and p.reduce_op == "sum" and c
-                   for p, c in zip(ctx.out_specs[0].placements, ctx.out_coord))
-
-
 def _read_into(ctx, input, pieces):
-    if not _holds_value(ctx):
+    if not ctx.holds_value():
         return input.zero_()
     return read_block(msgpack.unpackb(pieces), ctx.out_offsets, ctx.out_local_shape, input)
 
@@ -320,7 +314,7 @@ def _token(call) -> Placed:
 
 register(OpDef("read_safetensors_", "read_safetensors_(input: Tensor, pieces: Tensor)",
                _read_into, _same_layout, meta=lambda input, pieces: input, function=False,
-               flags=INPLACE, uses_context=True, front=read_into,
+               flags=INPLACE | OVERWRITES, uses_context=True, front=read_into,
                doc="Fills each device's block of ``input`` from safetensors files."))
 register(OpDef("write_safetensors", "write_safetensors(plan: Tensor, tensors: TensorList)",
                _write, _token, meta=lambda plan, *blocks: torch.empty((), dtype=torch.int64,

@@ -1,6 +1,10 @@
-"""Conversions: detach, copy_ into a tensor's own layout, the comparisons that answer one bool
-(equal, allclose), and their fronts, which add what needs more than a signature: moving a
-copy's source across meshes, and reading the bool.
+"""Conversions: detach, the full writes (copy_ into a tensor's own layout, fill_, zero_), the
+comparisons that answer one bool (equal, allclose), and their fronts, which add what needs more
+than a signature: moving a copy's source across meshes, and reading the bool.
+
+A full write writes every element of its tensor and reads none (``protocol.OVERWRITES``), so
+it runs on a tensor whose value failed and makes it usable again; a write of part of one (an
+indexing assignment) leaves it failed.
 
 >>> import dtorch, torch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -19,7 +23,7 @@ from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from .creation import PY_DTYPES, check_dtype
 from .elementwise import cast_rule
-from .registry import INPLACE, VIEW, OpDef, issue, register
+from .registry import INPLACE, OVERWRITES, VIEW, OpDef, issue, register
 from .rules import Placed, expand, pointwise_rows
 
 R = Replicate()
@@ -81,8 +85,37 @@ def copy_(input: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
 
 
 register(OpDef("copy_", "copy_(input: Tensor, src: Tensor, non_blocking=False)", _copy,
-               copy_rule, meta=torch.Tensor.copy_, function=False, flags=INPLACE,
+               copy_rule, meta=torch.Tensor.copy_, function=False, flags=INPLACE | OVERWRITES,
                uses_context=True, methods=("copy_",), front=copy_))
+
+
+# -- fill_, zero_ ---------------------------------------------------------------------------------
+
+
+def fill_rule(call) -> Placed:
+    """The tensor keeps its layout; a value given as a (0-dim) tensor is made Replicate first.
+    Every device fills its block (on a Partial sum mesh dim, as factories: coordinate 0 the
+    value, the others zeros)."""
+    dst, *value = call.tensors
+    whole = (R,) * len(call.mesh.shape)
+    return Placed((dst.placements,), (None, *(None if v.placements == whole else whole
+                                              for v in value)))
+
+
+def _fill(ctx, input, value):
+    return input.fill_(value) if ctx.holds_value() else input.zero_()
+
+
+def _zero(ctx, input):
+    return input.zero_()
+
+
+register(OpDef("fill_", "fill_(input: Tensor, value: Tensor)", _fill, fill_rule,
+               meta=torch.Tensor.fill_, function=False, flags=INPLACE | OVERWRITES,
+               uses_context=True, methods=("fill_",)))
+register(OpDef("zero_", "zero_(input: Tensor)", _zero, same_layout, meta=torch.Tensor.zero_,
+               function=False, flags=INPLACE | OVERWRITES, uses_context=True,
+               methods=("zero_",)))
 
 
 # -- equal, allclose ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # flags travel with each call template, so the controller needs no registry (and no torch)
-from ..protocol import COMM, IMPURE, INPLACE, VIEW  # noqa: F401
+from ..protocol import COMM, IMPURE, INPLACE, OVERWRITES, VIEW  # noqa: F401
 
 
 @dataclass(eq=False)

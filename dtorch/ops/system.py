@@ -1,4 +1,5 @@
-"""System operators: NVTX ranges and marks, in program order on every device of a mesh.
+"""System operators: NVTX ranges and marks, in program order on every device of a mesh; the
+failure token a load reads to learn whether its values arrived (``failure_token``).
 
 DTorch's ``_nvtx_range_push(graph, message)``, ``_nvtx_range_pop(graph)`` and
 ``_nvtx_mark(graph, message)`` (in ``dtorch.nn.functional``; ``dtorch.cuda.nvtx`` holds the forms
@@ -25,7 +26,7 @@ import time
 import torch
 
 from ..mesh import DeviceMesh
-from ..placement import Replicate
+from ..placement import Replicate, Shard
 from .registry import IMPURE, OpDef, issue, register
 from .rules import Placed
 
@@ -141,3 +142,36 @@ for _name, _kind in KINDS.items():
     register(OpDef(_name, f"{_name}(message: Tensor, *, device_mesh=None)", nvtx_kernel(_kind),
                    replicated, meta=_token_meta, function=False, functional=True, flags=IMPURE,
                    uses_context=True, front=_front(_name, _kind != "pop")))
+
+
+# -- failure tokens -------------------------------------------------------------------------------
+
+
+def failure_token(tensors):
+    """A token that carries the first failure any of ``tensors`` (on one mesh) carries, on any
+    device: reading it (``to_torch()``) raises that failure (the op and the user's line that
+    failed), else gives zeros. One element per device, so reading it hears from every device:
+    what a load reads to know that its values arrived (``nn.modules.module.check_loaded``).
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones(4, device_mesh=mesh, placements=[dtorch.Shard(0)])
+    >>> failure_token([x, x * 2]).to_torch()
+    tensor([0, 0])
+    """
+    tensors = tuple(tensors)
+    return issue("failure_token", tensors, (tensors[0].device_mesh.size(),))
+
+
+def _no_failure(ctx, *blocks, devices):
+    return torch.zeros(1, dtype=torch.int64, device=ctx.device.torch_device)
+
+
+def one_per_device(call) -> Placed:
+    return Placed(((Shard(0),) * len(call.mesh.shape),))
+
+
+register(OpDef("failure_token", "failure_token(tensors: TensorList, devices)", _no_failure,
+               one_per_device, meta=lambda *blocks, devices: torch.empty(
+                   devices, dtype=torch.int64, device="meta"), function=False,
+               uses_context=True, front=failure_token))

@@ -33,12 +33,16 @@ class KernelContext:
             self.out_local_shape = self.out_offsets = None
 
     def partition(self, t: torch.Tensor) -> torch.Tensor:
-        """This device's contribution to a value every device holds whole: on a Partial sum
-        mesh dim only coordinate 0 keeps it (max, min and avg of equal values are the value)."""
-        for p, c in zip(self.out_specs[0].placements, self.out_coord):
-            if isinstance(p, Partial) and p.reduce_op == "sum" and c != 0:
-                return torch.zeros_like(t)
-        return t
+        """This device's contribution to a value every device holds whole (``holds_value``),
+        else zeros."""
+        return t if self.holds_value() else torch.zeros_like(t)
+
+    def holds_value(self) -> bool:
+        """Whether this device's block of the result holds the value (every device computing
+        it whole): not on a Partial sum mesh dim past coordinate 0, whose blocks are zeros
+        (max, min and avg of equal values are the value)."""
+        return not any(isinstance(p, Partial) and p.reduce_op == "sum" and c
+                       for p, c in zip(self.out_specs[0].placements, self.out_coord))
 
     def group(self, mesh_dim: int):
         """The process group along ``mesh_dim`` through this device, and this device's rank."""

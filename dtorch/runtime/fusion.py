@@ -110,6 +110,7 @@ class FusedCall:
     """A segment's compiled code, in the place of a HostCall (``Step.call``)."""
 
     __slots__ = ("fn", "name", "kwargs", "inplace", "saves")
+    overwrites = False  # in-place kernels never fuse
 
     def __init__(self, fn, name):
         self.fn, self.name, self.kwargs = fn, name, {}

@@ -82,7 +82,8 @@ class HostCall:
 
     __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
                  "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
-                 "comm_dims", "receive_only", "saves", "reads_saved", "hop")
+                 "comm_dims", "receive_only", "saves", "reads_saved", "hop", "overwrites",
+                 "view")
 
     def __init__(self, host: Host, rec):
         _, _, name, inputs, outputs, static, flags = rec
@@ -119,6 +120,8 @@ class HostCall:
         self.mask = [bool(i) for i in inputs]
         self.all_tensors = all(self.mask)
         self.inplace = bool(flags & P.INPLACE)
+        self.overwrites = bool(flags & P.OVERWRITES)  # a failed operand 0 does not stop it
+        self.view = bool(flags & P.VIEW)
         self.comm = bool(flags & P.COMM)  # a collective: its peers rely on it taking part
         meshes = [s.mesh for s in self.out_specs] + [s.mesh for s in self.in_specs if s]
         self.out_devices = host.local_devices(self.out_specs[0].mesh) if self.out_specs else []
@@ -161,11 +164,16 @@ class KernelRun:
             return self._run_collective()
         result = None
         for call, ctx, inputs, site in self.steps:
-            args = []
+            args, repaired = [], None
             for x in inputs:
                 if type(x) is Blob:
                     if x.error is not None:  # poisoned: pass the first failure on, quietly
-                        return self._fail(x.error, report=False)
+                        target = x.overwritable(ctx) if call.overwrites and not args else None
+                        if target is None:
+                            return self._fail(x.error, report=False)
+                        args.append(target)  # unless the kernel writes all of it
+                        repaired = x
+                        continue
                     args.append(x.tensor)
                 else:
                     args.append(result if x is PREV else x)
@@ -178,6 +186,8 @@ class KernelRun:
                 return self._fail(e.error, report=False)
             except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
                 return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
+            if repaired is not None:
+                repaired.overwritten(result)
             if config.debug >= 2:
                 print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
                       f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
@@ -416,7 +426,7 @@ class Host:
             elif dev in call.out_devices:
                 outputs = []
                 for o, spec in zip(outs, call.out_specs):
-                    dev.blobs[o] = b = Blob(spec, memory=dev.memory)
+                    dev.blobs[o] = b = Blob(spec, memory=dev.memory, view=call.view)
                     outputs.append(b)
                     self.owners[o] = call.out_devices
             else:

@@ -257,7 +257,7 @@ class ProgramRun:
         for index, step in enumerate(steps):
             if probe is not None:
                 probe.capture(index, values, outside)
-            args, error = [], None
+            args, error, repaired = [], None, None
             for kind, k in step.sources:
                 if kind == MADE:
                     v = values[k]
@@ -266,10 +266,14 @@ class ProgramRun:
                         break
                 elif kind == OUTSIDE:
                     b = outside[k]
-                    if b.error is not None:
-                        error = b.error
-                        break
                     v = b.tensor
+                    if b.error is not None:  # unless the kernel writes all of it
+                        v = b.overwritable(step.ctx) if step.call.overwrites and not args \
+                            else None
+                        if v is None:
+                            error = b.error
+                            break
+                        repaired = b
                 else:
                     v = scalars[k]
                 args.append(v)
@@ -289,6 +293,9 @@ class ProgramRun:
                         result = call.fn(*args, **call.kwargs)
                 except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's
                     error = self._report(step, e)
+                else:
+                    if repaired is not None:
+                        repaired.overwritten(result)
             self._store(step, Failed(error) if error is not None else result, values)
 
     def _report(self, step, e: Exception) -> tuple:

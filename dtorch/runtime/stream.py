@@ -81,13 +81,36 @@ class Blob:
     """A tensor a device holds (or the error that prevented it). Kernels hold the Blob objects
     they use, so dropping a Blob from the device's table frees the memory only once the last
     queued kernel using it has run. ``memory``: the device's Memory, which counts the tensor
-    from ``hold`` until the blob goes (None: not counted)."""
+    from ``hold`` until the blob goes (None: not counted). ``view``: its tensor is (or would
+    have been) a view of another blob's storage."""
 
-    __slots__ = ("tensor", "error", "spec", "memory", "_held")
+    __slots__ = ("tensor", "error", "spec", "memory", "_held", "view")
 
-    def __init__(self, spec, tensor=None, memory: Memory | None = None):
+    def __init__(self, spec, tensor=None, memory: Memory | None = None, view: bool = False):
         self.spec, self.tensor, self.error = spec, tensor, None
-        self.memory, self._held = memory, 0
+        self.memory, self._held, self.view = memory, 0, view
+
+    def overwritable(self, ctx):
+        """The tensor an OVERWRITES kernel (``protocol.OVERWRITES``: it writes every element
+        of its operand 0 and reads none) writes into when this blob, its operand 0, carries a
+        failure; None where the failure must go on (the kernel does not run). The one rule
+        for both the kernel loop (``host.KernelRun``) and replays (``program.ProgramRun``):
+        the storage the blob has (an in-place kernel failed on it, leaving it); a fresh block
+        where it has none and is no view (a result never made); none for a view never made,
+        whose writes could not reach the base whose storage it was to share. The kernel's
+        result then clears the failure (``overwritten``)."""
+        if self.tensor is not None:
+            return self.tensor
+        if self.view or ctx is None:
+            return None
+        return torch.empty(ctx.out_local_shape, dtype=getattr(torch, self.spec.dtype),
+                           device=ctx.device.torch_device)
+
+    def overwritten(self, tensor) -> None:
+        """An OVERWRITES kernel wrote ``tensor`` over this blob's failure: it holds a value
+        again."""
+        self.hold(tensor)
+        self.error = None
 
     def hold(self, tensor) -> None:
         """Stores a kernel's result (again, for an in-place kernel: the new storage is noted

@@ -36,6 +36,7 @@ from torch.nn.modules import module as _torch_module
 from ...mesh import DeviceMesh
 from ...ops.conversion import source_placements
 from ...ops.creation import PY_DTYPES, from_torch
+from ...ops.system import failure_token
 from ...tensor import Tensor
 from ..parameter import Buffer, Parameter
 
@@ -195,6 +196,16 @@ class Module(torch.nn.Module):
         return self
 
     # -- state dicts ----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's; then the values loaded are read back as one token per mesh
+        (``check_loaded``), so a value that failed on the devices raises here, naming its key,
+        instead of reporting every key matched."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        targets = self.state_dict(keep_vars=True)
+        check_loaded(self, {k: targets[k] for k in state_dict
+                            if isinstance(targets.get(k), Tensor)})
+        return result
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         """Copies each value into its parameter's (buffer's) layout; torch's own keys
@@ -238,6 +249,40 @@ def mismatch(key: str, target, value) -> str | None:
     if _kind(value.dtype) != _kind(target.dtype):
         return (f"dtype mismatch for {key}: copying a {value.dtype} value into a "
                 f"{target.dtype} parameter; cast the value first if that is meant")
+    return None
+
+
+def check_loaded(module, targets: dict) -> None:
+    """torch's ``load_state_dict`` error, naming each key of ``targets`` (key -> tensor) whose
+    value carries a failure on any device (the copy of a failed value, or a read that failed).
+    One ``failure_token`` read per mesh; only a mesh whose token fails is asked tensor by
+    tensor."""
+    by_mesh: dict = {}
+    for key, t in targets.items():
+        by_mesh.setdefault(t.device_mesh, []).append((key, t))
+    reads = [(group, failure_token([t for _, t in group]).to_torch_async())
+             for group in by_mesh.values()]
+    messages = []
+    for group, read in reads:
+        try:
+            read.get()
+        except RuntimeError:
+            failed = [(key, _failure(t)) for key, t in group]
+            failed = [f'While copying the parameter named "{key}": {error}'
+                      for key, error in failed if error]
+            if not failed:  # an earlier kernel's error, reported by this read
+                raise
+            messages += failed
+    if messages:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(
+            type(module).__name__, "\n\t".join(messages)))
+
+
+def _failure(t: Tensor) -> str | None:
+    try:
+        failure_token([t]).to_torch()
+    except RuntimeError as e:
+        return str(e)
     return None
 
 
