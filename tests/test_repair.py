@@ -220,3 +220,26 @@ def test_a_load_does_not_take_an_earlier_failure_for_its_own(pair):
     assert line in str(info.value) and "loading state_dict" not in str(info.value)
     assert torch.equal(model.w.to_torch(), torch.ones(4, 2))
     del other
+
+
+def test_zero_grad_zeroes_in_place_as_torch(pair):
+    """``zero_grad(set_to_none=False)`` writes zeros over every gradient, as torch's ``zero_``:
+    an inf or NaN becomes 0 (a product by 0 would keep NaN), and a failed gradient is usable
+    again."""
+    model = Model(pair)
+    opt = dtorch.optim.SGD(model.parameters(), lr=0.1)
+    model.w.grad = dtorch.from_torch(torch.tensor([[1.0, float("inf")], [float("nan"), 2.0],
+                                                   [0.0, -1.0], [3.0, 4.0]]),
+                                     device_mesh=pair, placements=[S0])
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(model.w.grad.to_torch(), torch.zeros(4, 2))
+    bad, line = failed_value(pair)
+    with pytest.raises(RuntimeError, match="floor_divide"):
+        dtorch.sync()
+    model.w.grad = dtorch.ones(4, 2, device_mesh=pair, placements=[S0]) * bad.float().sum()
+    with pytest.raises(RuntimeError, match="floor_divide"):
+        model.w.grad.to_torch()
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(model.w.grad.to_torch(), torch.zeros(4, 2))
+    opt.zero_grad()
+    assert model.w.grad is None

@@ -92,10 +92,16 @@ class Optimizer(torch.optim.Optimizer):
         return value.clone() if isinstance(value, torch.Tensor) else value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's: the gradients dropped, or zeroed in place (a full write: an inf or NaN
+        becomes 0, and a failed gradient a usable one)."""
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.grad = None if set_to_none else p.grad * 0
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        with torch.no_grad():
+                            p.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
