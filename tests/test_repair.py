@@ -243,3 +243,15 @@ def test_zero_grad_zeroes_in_place_as_torch(pair):
     assert torch.equal(model.w.grad.to_torch(), torch.zeros(4, 2))
     opt.zero_grad()
     assert model.w.grad is None
+
+
+def test_a_load_of_many_parameters_reads_back_one_token(pair):
+    """More parameters than an autograd record can name (64) on one mesh: the token that reads
+    them back is no recorded call (it has no gradient), so it is sent and read."""
+    model = dtorch.nn.Module()
+    for k in range(70):
+        model.register_parameter(f"p{k}", dtorch.nn.Parameter(
+            dtorch.zeros(3, device_mesh=pair, placements=[S0])))
+    state = {f"p{k}": torch.full((3,), float(k)) for k in range(70)}
+    assert not model.load_state_dict(state).missing_keys
+    assert torch.equal(model.p69.to_torch(), torch.full((3,), 69.0))

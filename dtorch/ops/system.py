@@ -160,7 +160,8 @@ def failure_token(tensors):
     tensor([0, 0])
     """
     tensors = tuple(tensors)
-    return issue("failure_token", tensors, (tensors[0].device_mesh.size(),))
+    with torch.no_grad():  # a token has no gradient: autograd records nothing of it
+        return issue("failure_token", tensors, (tensors[0].device_mesh.size(),))
 
 
 def _no_failure(ctx, *blocks, devices):
