@@ -174,6 +174,17 @@ def op_operands(rec, n_outs: int):
     return rec[OP_OUTS + n_outs:]
 
 
+def wire_bits(bits: int):
+    """A bit set (an int) as a record carries it: an int while msgpack can pack one (63 bits),
+    bytes beyond (autograd's bits per operand of a call with more operands: ``stack`` of 70)."""
+    return bits if bits < 1 << 63 else bits.to_bytes((bits.bit_length() + 7) // 8, "little")
+
+
+def bits_of(value) -> int:
+    """The bit set ``wire_bits`` sent."""
+    return int.from_bytes(value, "little") if isinstance(value, bytes) else value
+
+
 def items(rec):
     """What a WAIT (its streams) or a CHAIN (its kernels) record lists after its tag."""
     return rec[1:]

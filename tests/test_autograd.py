@@ -552,3 +552,17 @@ def test_backward_adds_into_a_grad_assigned_in_another_layout(placements, mesh2)
     torch.optim.SGD([t], lr=0.1).step()
     dtorch.optim.SGD([d], lr=0.1).step()
     torch.testing.assert_close(d.to_torch(), t.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_a_call_of_more_than_63_operands_that_need_gradients(one):
+    """Its bits of the operands to differentiate do not fit msgpack's 64-bit int: they travel
+    as bytes (``protocol.wire_bits``); the record was refused, and reading the result hung."""
+    ts = [torch.randn(3, generator=torch.Generator().manual_seed(k)) for k in range(70)]
+    xs = [dtorch.from_torch(t, device_mesh=one).requires_grad_() for t in ts]
+    ws = [t.clone().requires_grad_() for t in ts]
+    y, want = dtorch.stack(xs), torch.stack(ws)
+    (y * y).sum().backward()
+    (want * want).sum().backward()
+    assert torch.equal(y.to_torch(), want.detach())
+    for x, w in zip(xs, ws):
+        assert torch.equal(x.grad.to_torch(), w.grad)

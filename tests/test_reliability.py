@@ -181,6 +181,27 @@ def test_a_record_that_cannot_be_sent_raises_at_the_next_call(mesh1):
     assert s.fatal is None and s._flusher.is_alive()
 
 
+def test_the_value_of_a_record_that_could_not_be_sent_raises_not_hangs(mesh1):
+    """Its result never reaches the hosts, so no value can come: reading it raises the record's
+    error at once (the read in the same batch as the record, and a read later), and the
+    runtime stays usable."""
+    s = _session.current()
+    x = dtorch.ones((3,), device_mesh=mesh1, placements=[Shard(0)])
+    _ = x + 1.0
+    bound = next(b for k, b in s.bound.items() if getattr(k[0], "name", None) == "add" and k[-1] is float)
+    lost = object.__new__(dtorch.Tensor)  # (a symbol, as dispatch makes one)
+    lost._id, lost._spec = next(s.ids), bound.outs[0]
+    def site():  # this line, as the user's call site
+        return s.site()
+
+    s.append((P.OP, bound.call_id, site(), 0, lost._id, x._id, object()))
+    with pytest.raises(TypeError, match=r"dtorch\.add failed \(called at .*test_reliability"):
+        lost.to_torch_async().get(10)  # its fetch flushes the record: raised, not awaited
+    with pytest.raises(TypeError, match="could not be sent"):
+        lost.to_torch()  # a later read raises again, before anything is sent
+    assert torch.equal((x * 3).to_torch(), torch.full((3,), 3.0))
+
+
 def test_flow_control_bounds_the_records_in_flight(mesh1):
     """With a bound of 8,000 records, 100,000 dependent ops never have more than the bound
     (plus one buffer) sent and not yet executed."""

@@ -40,7 +40,7 @@ from ..client import session
 from ..ops.coalesced import Buckets, coalescing, laid_out
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
-from ..protocol import COMM, RECORD, VJP_PREFIX
+from ..protocol import COMM, RECORD, VJP_PREFIX, wire_bits
 from ..tensor import DTYPES, Tensor
 
 active = False  # True once a tensor has required grad: until then recording costs nothing
@@ -161,13 +161,14 @@ def recorded_call(s, bound) -> int:
     return bound.recorded
 
 
-def needs_bits(needs) -> int:
-    return sum(1 << k for k, need in enumerate(needs) if need)
+def needs_bits(needs):
+    """The operands that need a gradient, as the record carries them (``wire_bits``)."""
+    return wire_bits(sum(1 << k for k, need in enumerate(needs) if need))
 
 
-def gathered_bits(operands) -> int:
+def gathered_bits(operands):
     """The operands made by ``gathered``: the hosts' graph keeps no copy of their blocks."""
-    return sum(1 << k for k, o in enumerate(operands) if _is_gathered(o))
+    return wire_bits(sum(1 << k for k, o in enumerate(operands) if _is_gathered(o)))
 
 
 def _is_gathered(o) -> bool:

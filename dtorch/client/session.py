@@ -155,7 +155,8 @@ class Session(Receiving):
         self.bound: dict = {}  # call key -> dispatch.Bound
         self.spec_ids: dict = {}
         self.mesh_ids: dict = {}
-        self.call_defs: list = []
+        self.call_defs: list = []  # (operator name, how many results) per call template
+        self.unsent_ids: dict = {}  # id -> why: results of records that could not be sent
         self._flush_lock = threading.Lock()  # one batch taken and handed over at a time
         self._define_lock = threading.RLock()  # see the module docstring (define_call nests)
         self._errors_lock = threading.Lock()  # the receiver adds errors, a waiter takes them
@@ -250,7 +251,11 @@ class Session(Receiving):
             try:
                 P.pack(rec)
             except Exception as e:  # noqa: BLE001
-                self._tell_next_call(self._describe_unsendable(rec, e))
+                message = self._describe_unsendable(rec, e)
+                self._tell_next_call(message)
+                if isinstance(rec, tuple) and rec and rec[0] == P.OP:  # its results never come
+                    n_out = self.call_defs[rec[P.OP_CALL] - 1][1]
+                    self.unsent_ids.update(dict.fromkeys(P.op_outs(rec, n_out), message))
             else:
                 sendable.append(rec)
         return sendable
@@ -263,8 +268,9 @@ class Session(Receiving):
 
     def _describe_unsendable(self, rec, error: Exception) -> str:
         if isinstance(rec, tuple) and rec and rec[0] == P.OP:
-            op = self.call_defs[rec[1] - 1]
-            return self._describe(rec[2], op, f"its arguments could not be sent ({error})")
+            op, _ = self.call_defs[rec[P.OP_CALL] - 1]
+            return self._describe(rec[P.OP_SITE], op,
+                                  f"its arguments could not be sent ({error})")
         return f"a dtorch record could not be sent ({error}): {rec!r:.200}"
 
     def _mark(self) -> None:
@@ -332,7 +338,7 @@ class Session(Receiving):
             call_id = len(self.call_defs) + 1
             self.append(P.DefineCall(P.DEFINE_CALL, call_id, op_name, inputs, outputs, blob,
                                      flags))
-            self.call_defs.append(op_name)
+            self.call_defs.append((op_name, len(outputs)))
         return call_id
 
     def spec_id(self, spec) -> int:
@@ -361,15 +367,30 @@ class Session(Receiving):
 
     # -- waits ----------------------------------------------------------------------------------
     def fetch(self, tensor) -> TensorFuture:
+        """A TensorFuture of ``tensor``'s value. A tensor whose record could not be sent (no
+        value will ever come) raises its error here, at once."""
+        self._refuse_unsent(tensor)
         request = next(self.requests)
         # get() raises the fetch's own failure, or a kernel error reported before it
         future = TensorFuture(check=self.raise_errors)
         self.pending[request] = (future, tensor._spec, {})
         self.append(P.Fetch(P.FETCH, tensor._id, request))
-        self.flush()
+        self.flush()  # (its own record may be the batch's one that cannot be sent)
         if self.fatal is not None:
             self._fail_all()
+        elif tensor._id in self.unsent_ids:
+            self.pending.pop(request, None)
+            self._refuse_unsent(tensor)
         return future
+
+    def _refuse_unsent(self, tensor) -> None:
+        message = self.unsent_ids.get(tensor._id)
+        if message is not None:
+            with self._errors_lock:  # told now: not again at the next call
+                with contextlib.suppress(ValueError):
+                    self.unsent.remove(message)
+                self.alarm = bool(self.unsent) or self.fatal is not None
+            raise TypeError(message)
 
     def sync_async(self, compiles: bool = False) -> TensorFuture:
         """A sync that does not wait: the future completes once every operator issued so far

@@ -27,6 +27,8 @@ import contextlib
 
 import torch
 
+from ..protocol import bits_of
+
 
 class Saved:
     """One device's graph of one recorded call: its autograd leaves and results; or, where the
@@ -55,6 +57,7 @@ def recording(fn, uses_context: bool):
 
     def run(ctx, *args, **kwargs):
         *inputs, slot, needs, dropped = args
+        needs, dropped = bits_of(needs), bits_of(dropped)
         leaves = [_leaf(x) if needs >> k & 1 else x for k, x in enumerate(inputs)]
         with torch.enable_grad(), _dropping(slot, leaves, dropped):
             out = fn(ctx, *leaves, **kwargs) if uses_context else fn(*leaves, **kwargs)
