@@ -401,6 +401,10 @@ def test_a_held_tail_runs_without_a_next_batch(one, monkeypatch):
     """The tail a batch holds for the next one (``Replayer.run``) is lowered alone once no batch
     has come for ``HOLD_MS``: the devices run it before the program's next call."""
     monkeypatch.setattr(config, "flush_delay_s", 60.0)  # the batches: 4096 records, then ours
+    # and no flow-control mark among them: one falls after every max_inflight_ops / 4 records
+    # the session has sent (earlier tests' included), and a mark sent after our last batch
+    # would take the tail along before the controller could let it go alone
+    monkeypatch.setattr(config, "max_inflight_ops", 10**9)
     a, b = dtorch.ones(8, device_mesh=one), dtorch.arange(8.0, device_mesh=one)
     with dtorch.profiler.profile() as prof:
         for _ in range(3000):
