@@ -21,9 +21,10 @@ When a window is cached and replayed (``Program``):
                stream has waited for since, on the window's devices
 
 Replay then moves the stream state on as ``assign_streams`` would, except that every result it
-leaves alive and every outside input it writes or reads counts as accessed at the window's last
-position, not its own: a later wait for one of them waits for that point, which is correct, at
-worst a few kernels late.
+leaves alive and every outside input its kernels write or read counts as accessed at the window's
+last position, not its own: a later wait for one of them waits for that point, which is correct,
+at worst a few kernels late. (An input only its dead code read is not accessed: the passes
+dropped that code.)
 
 A replayed window's dead-code elimination and chains stop at its edges (it was lowered alone, as
 was the first window of its shape); windows that do not replay are lowered with their neighbours.
@@ -48,20 +49,22 @@ RELEASE = None  # in a window's key: a release's ref follows
 
 class Program(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
-    holds its kernels). ``positions``: the stream positions its operators take. ``written``:
-    the outside inputs (by number) written in place; ``released``: those released.
-    ``survivors``: the results (by number) left alive. ``scopes``: its kernels' device sets
+    holds its kernels). ``positions``: the stream positions its operators take. ``accessed``:
+    the outside inputs (by number) its kernels read or write (not those only its dead code
+    read); ``written``: those written in place; ``released``: those released. ``survivors``:
+    the results (by number) left alive. ``scopes``: its kernels' device sets
     (``CallInfo.scope``), on which a wait it no longer needs must have been made."""
 
     id: int
     positions: int
+    accessed: frozenset
     written: frozenset
     released: frozenset
     survivors: tuple
     scopes: frozenset
 
 
-UNFIT = Program(0, 0, frozenset(), frozenset(), (), frozenset())  # never replays
+UNFIT = Program(0, 0, frozenset(), frozenset(), frozenset(), (), frozenset())  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -107,8 +110,10 @@ def phase(calls: dict, records: list, keys: list, start: int, p: int) -> int:
         if type(rec) is int:
             released[rec] = i
         else:
-            n_out = len(calls[rec[P.OP_CALL]].outputs)
-            for t in rec[P.OP_OUTS:P.OP_OUTS + n_out]:
+            call = calls[rec[P.OP_CALL]]
+            if call.flags & INPLACE:  # its result is its operand, made elsewhere: else the
+                continue  # cut would depend on where in the loop the stretch began
+            for t in rec[P.OP_OUTS:P.OP_OUTS + len(call.outputs)]:
                 made.setdefault(t, i)
     crossing = [0] * (p + 1)  # a difference array over the cuts
     for t, m in made.items():
@@ -319,7 +324,7 @@ class Replayer:
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
-        steps, positions, written_ids, scopes = [], 0, set(), set()
+        steps, positions, accessed, written_ids, scopes = [], 0, set(), set(), set()
         base = {}  # a view made in the window -> the tensor whose storage it views
         for node in lowered:
             if type(node) is int:
@@ -332,6 +337,7 @@ class Replayer:
                 flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
+                accessed.update(m.inputs)
                 if flags & VIEW:
                     root = base.get(m.operands[0], m.operands[0])
                     base.update((o, root) for o in m.outs)
@@ -351,6 +357,7 @@ class Replayer:
             return
         program = Program(
             next(self.program_ids), positions,
+            frozenset(number[t] for t in accessed if t in number),
             frozenset(number[t] for t in written_ids if t in number),
             frozenset(number[t] for t in released if t in number), tuple(survivors),
             frozenset(scopes))
@@ -372,7 +379,10 @@ class Replayer:
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots, covered = st.storages, st.roots, st.covered
+        accessed = program.accessed
         for k, t in enumerate(outside):
+            if k not in accessed:  # released, or read by dead code only: no access
+                continue
             view = roots.get(t)  # (its base's storage key, stream, position, devices)
             m = storages.get(t if view is None else view[0])
             if view is not None and view[1] != stream and not all(
@@ -391,17 +401,21 @@ class Replayer:
                 return False
         end = st.position[stream] = st.position.get(stream, 0) + program.positions
         for k, t in enumerate(outside):
-            view = roots.pop(t, None) if k in program.released else roots.get(t)
+            released = k in program.released
+            if k not in accessed and not released:
+                continue
+            view = roots.pop(t, None) if released else roots.get(t)
             storage = t if view is None else view[0]
             m = storages.get(storage)
-            if m is not None:
-                if k in program.written:
-                    m[WRITTEN] = m[LAST] = end
-                else:
-                    touch(m, stream, end)  # a read, here or on the writer's stream
-            elif k in program.written:
-                m = storages[storage] = [stream, end, end, None, 0]
-            if k in program.released and m is not None:
+            if k in accessed:
+                if m is not None:
+                    if k in program.written:
+                        m[WRITTEN] = m[LAST] = end
+                    else:
+                        touch(m, stream, end)  # a read, here or on the writer's stream
+                elif k in program.written:
+                    m = storages[storage] = [stream, end, end, None, 0]
+            if released and m is not None:
                 if m[VIEWS]:  # one of its ids is gone, not the storage
                     m[VIEWS] -= 1
                 else:
