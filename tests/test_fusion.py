@@ -200,7 +200,7 @@ def test_what_may_not_fuse_runs_unfused(one):
         assert torch.equal(g, e)
 
 
-# -- values made inside replayed and fused windows ---------------------------------------------------
+# -- values made inside replayed and fused windows -------------------------------------------------
 # A loop's last value comes from the records after its last window, lowered by the passes and run
 # unfused; these tests keep every iteration's values, made inside replayed (and fused) windows.
 
