@@ -2,12 +2,15 @@
 
 Without a runtime: which kernels make a segment, what a segment reads and leaves, and the bit
 comparison that guards every swap. With the runtime: hot loops get fused code (the trace says
-so) and stay bit-identical to torch eager and to the same program with fusion off; a failed input
-of a fused stretch poisons only what depends on it; what may not fuse (changing scalars,
-bfloat16, transcendental functions) runs unfused.
+so) and stay bit-identical to torch eager and to the same program with fusion off, in every
+iteration's values and after their scalars change; a failed input of a fused stretch poisons only
+what depends on it; what may not fuse (changing scalars, bfloat16, transcendental functions) runs
+unfused; hosts whose compiler is a stub (``tests/stub_compiler``) keep only code with the
+kernels' bits. The guard itself, fed wrong code: ``tests/test_fusion_guard.py``.
 """
 
 import inspect
+import os
 import re
 from types import SimpleNamespace
 
@@ -135,6 +138,33 @@ def test_loops_equal_with_fusion_off(fusion_off):
         a, n = run_loop(one, dtorch, 1200, a)
         got = a.to_torch(), n.to_torch()
     assert fused_runs(prof) == 0 and not compiles(prof)
+    ta, _ = run_loop(None, torch, 1200)
+    for g, e in zip(got, run_loop(None, torch, 1200, ta)):
+        assert torch.equal(g, e)
+
+
+STUB_COMPILER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_compiler")
+
+
+@pytest.mark.parametrize("stub", ["ulp", "raise", "exact"])
+def test_hosts_keep_compiled_code_only_if_it_has_the_kernels_bits(stub):
+    """Hosts whose inductor is a stub (``tests/stub_compiler``): code one ulp off, or a
+    compile that raises, must be refused (the loop runs unfused and bit-identical to torch);
+    code that is exactly right must be taken."""
+    path = os.pathsep.join(filter(None, [STUB_COMPILER, os.environ.get("PYTHONPATH")]))
+    with runtime_with(DTORCH_TEST_COMPILER=stub, PYTHONPATH=path):
+        one = dtorch.DeviceMesh("cpu", [0])
+        with dtorch.profiler.profile() as warm:
+            a, _ = run_loop(one, dtorch, 1200)
+            dtorch.sync(compiles=True)
+        with dtorch.profiler.profile() as hot:
+            a, n = run_loop(one, dtorch, 1200, a)
+            got = a.to_torch(), n.to_torch()
+    if stub == "exact":
+        assert compiles(warm) and all(k > 0 for k in compiles(warm)), compiles(warm)
+        assert fused_runs(hot) > 0
+    else:
+        assert compiles(warm) == [0] and fused_runs(hot) == 0  # compiled, and refused
     ta, _ = run_loop(None, torch, 1200)
     for g, e in zip(got, run_loop(None, torch, 1200, ta)):
         assert torch.equal(g, e)
