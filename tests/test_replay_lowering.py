@@ -541,6 +541,20 @@ def test_signed_zeros_and_views_dropped_in_windows():
     resumed(b, body, [("read B", "z"), ("fetch", "z")], scalars=lambda k: (0.0, -0.0)[k % 2])
 
 
+def test_a_window_over_two_meshes_replays_once_the_mesh_reading_a_collective_waited():
+    """The collective wrote a, on mesh 1; the window's kernels on mesh 2 read nothing it
+    wrote, so once the compute stream has waited on mesh 1 the windows replay."""
+    b = Builder()
+    variables(b, "x", "a")
+    variables(b, "u", mesh=2)
+    between(b, "gather", "a", 80)
+    start = len(b.records)
+    loop(b, [("axpy", ["x", "a"]), ("scale", ["u"])], 40)
+    probe_and_release(b, 95)
+    seen = assert_lowered_alike(cut(b.records, [start]))
+    assert seen["replayed"] >= 10, seen
+
+
 def test_a_loop_resumed_on_its_graph_after_running_on_another_waits_for_it():
     """Each graph has its compute stream (and its programs): back on the first graph, the
     loop must wait for what it ran on the second."""
@@ -678,4 +692,4 @@ def test_random_programs_are_lowered_alike_replayed_or_not():
             raise AssertionError(f"seed {seed}: {e}") from None
     # most windows replay, and the rest were exercised too
     assert seen["replayed"] > 3000 and seen["lowered alone"] > 300, seen
-    assert seen["lowered with its neighbours"] > 300, seen
+    assert seen["lowered with its neighbours"] > 20, seen

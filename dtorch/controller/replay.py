@@ -18,7 +18,7 @@ When a window is cached and replayed (``Program``):
     replayed   the passes would insert no wait either (``Replayer.advance``): an outside input
                it writes was last written on that stream with no other stream's access since;
                one it reads was last written (a view: and made) on that stream, or on one this
-               stream has waited for since, on the window's devices
+               stream has waited for since, on the devices of the kernels that read it
 
 Replay then moves the stream state on as ``assign_streams`` would, except that every result it
 leaves alive and every outside input its kernels write or read counts as accessed at the window's
@@ -49,22 +49,22 @@ RELEASE = None  # in a window's key: a release's ref follows
 
 class Program(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
-    holds its kernels). ``positions``: the stream positions its operators take. ``accessed``:
-    the outside inputs (by number) its kernels read or write (not those only its dead code
-    read); ``written``: those written in place; ``released``: those released. ``survivors``:
-    the results (by number) left alive. ``scopes``: its kernels' device sets
-    (``CallInfo.scope``), on which a wait it no longer needs must have been made."""
+    holds its kernels). ``positions``: the stream positions its operators take. ``readers``:
+    for each outside input (by number) its kernels read or write (not one only its dead code
+    read), the device sets (``CallInfo.scope``) of those kernels: a wait they no longer need
+    must have been made on each (a view made in the window is read on its base's devices). ``written``: the
+    outside inputs written in place; ``released``: those released. ``survivors``: the results
+    (by number) left alive."""
 
     id: int
     positions: int
-    accessed: frozenset
+    readers: dict
     written: frozenset
     released: frozenset
     survivors: tuple
-    scopes: frozenset
 
 
-UNFIT = Program(0, 0, frozenset(), frozenset(), frozenset(), (), frozenset())  # never replays
+UNFIT = Program(0, 0, {}, frozenset(), frozenset(), ())  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -324,7 +324,7 @@ class Replayer:
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
-        steps, positions, accessed, written_ids, scopes = [], 0, set(), set(), set()
+        steps, positions, readers, written_ids = [], 0, {}, set()
         base = {}  # a view made in the window -> the tensor whose storage it views
         for node in lowered:
             if type(node) is int:
@@ -337,7 +337,8 @@ class Replayer:
                 flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
-                accessed.update(m.inputs)
+                for t in m.inputs:
+                    readers.setdefault(t, set()).add(m.call.scope)
                 if flags & VIEW:
                     root = base.get(m.operands[0], m.operands[0])
                     base.update((o, root) for o in m.outs)
@@ -346,7 +347,6 @@ class Replayer:
                         m.operands[0], *(m.operands[k] for k in written(flags))))
                 outs, operands = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands])
-                scopes.add(m.call.scope)
             positions += len(members)
         released = {r for r in window if type(r) is int}
         survivors = [k for k, t in enumerate(made) if t not in released]
@@ -357,10 +357,9 @@ class Replayer:
             return
         program = Program(
             next(self.program_ids), positions,
-            frozenset(number[t] for t in accessed if t in number),
+            {number[t]: frozenset(scopes) for t, scopes in readers.items() if t in number},
             frozenset(number[t] for t in written_ids if t in number),
-            frozenset(number[t] for t in released if t in number), tuple(survivors),
-            frozenset(scopes))
+            frozenset(number[t] for t in released if t in number), tuple(survivors))
         self.programs[key] = program
         n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
                         self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
@@ -379,15 +378,16 @@ class Replayer:
         st = self.graph.streams
         stream = compute_stream(self.graph.graph)
         storages, roots, covered = st.storages, st.roots, st.covered
-        accessed = program.accessed
+        readers = program.readers
         for k, t in enumerate(outside):
-            if k not in accessed:  # released, or read by dead code only: no access
+            scopes = readers.get(k)
+            if scopes is None:  # released, or read by dead code only: no access
                 continue
             view = roots.get(t)  # (its base's storage key, stream, position, devices)
             m = storages.get(t if view is None else view[0])
             if view is not None and view[1] != stream and not all(
                     covered.get((stream, scope), {}).get(view[1], 0) >= view[2]
-                    for scope in program.scopes):
+                    for scope in scopes):
                 return False  # a view whose handle was made on a stream not waited for
             if m is None:
                 continue
@@ -397,17 +397,17 @@ class Replayer:
                     return False
             elif writer != stream and not all(
                     covered.get((stream, scope), {}).get(writer, 0) >= m[WRITTEN]
-                    for scope in program.scopes):
+                    for scope in scopes):
                 return False
         end = st.position[stream] = st.position.get(stream, 0) + program.positions
         for k, t in enumerate(outside):
             released = k in program.released
-            if k not in accessed and not released:
+            if k not in readers and not released:
                 continue
             view = roots.pop(t, None) if released else roots.get(t)
             storage = t if view is None else view[0]
             m = storages.get(storage)
-            if k in accessed:
+            if k in readers:
                 if m is not None:
                     if k in program.written:
                         m[WRITTEN] = m[LAST] = end
