@@ -36,7 +36,8 @@ def hot_at_once(monkeypatch):
 
 
 def kernel(name, fn):
-    return SimpleNamespace(name=name, fn=fn, kwargs={}, inplace=False, saves=False)
+    return SimpleNamespace(name=name, fn=fn, kwargs={}, inplace=False, saves=False,
+                           overwrites=False)
 
 
 MUL, ADD, DIV, EXP = (kernel("mul", torch.mul), kernel("add", torch.add),

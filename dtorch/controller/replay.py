@@ -52,9 +52,9 @@ class Program(NamedTuple):
     holds its kernels). ``positions``: the stream positions its operators take. ``readers``:
     for each outside input (by number) its kernels read or write (not one only its dead code
     read), the device sets (``CallInfo.scope``) of those kernels: a wait they no longer need
-    must have been made on each (a view made in the window is read on its base's devices). ``written``: the
-    outside inputs written in place; ``released``: those released. ``survivors``: the results
-    (by number) left alive."""
+    must have been made on each (a view made in the window is read on its base's devices).
+    ``written``: the outside inputs written in place; ``released``: those released.
+    ``survivors``: the results (by number) left alive."""
 
     id: int
     positions: int
