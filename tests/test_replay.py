@@ -400,10 +400,22 @@ def test_loops_equal_torch_with_replay(one):
         assert torch.equal(g, e)
 
 
-def test_a_held_tail_runs_without_a_next_batch(one, monkeypatch):
+@pytest.fixture
+def runtime_of_its_own():
+    """A runtime for one test: a client flusher told to wait a minute for a batch's company
+    sleeps on after the test, and would hold back later tests' batches as long."""
+    with runtime_with(DTORCH_REPLAY="1"):
+        yield
+
+
+def test_a_held_tail_runs_without_a_next_batch(one, monkeypatch, runtime_of_its_own):
     """The tail a batch holds for the next one (``Replayer.run``) is lowered alone once no batch
     has come for ``HOLD_MS``: the devices run it before the program's next call."""
     monkeypatch.setattr(config, "flush_delay_s", 60.0)  # the batches: 4096 records, then ours
+    # and no flow-control mark among them: one falls after every max_inflight_ops / 4 records
+    # a session has sent, and a mark sent after our last batch would take the tail along
+    # before the controller could let it go alone
+    monkeypatch.setattr(config, "max_inflight_ops", 10**9)
     a, b = dtorch.ones(8, device_mesh=one), dtorch.arange(8.0, device_mesh=one)
     with dtorch.profiler.profile() as prof:
         for _ in range(3000):

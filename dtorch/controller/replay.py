@@ -18,12 +18,13 @@ When a window is cached and replayed (``Program``):
     replayed   the passes would insert no wait either (``Replayer.advance``): an outside input
                it writes was last written on that stream with no other stream's access since;
                one it reads was last written (a view: and made) on that stream, or on one this
-               stream has waited for since, on the window's devices
+               stream has waited for since, on the devices of the kernels that read it
 
 Replay then moves the stream state on as ``assign_streams`` would, except that every result it
-leaves alive and every outside input it writes or reads counts as accessed at the window's last
-position, not its own: a later wait for one of them waits for that point, which is correct, at
-worst a few kernels late.
+leaves alive and every outside input its kernels write or read counts as accessed at the window's
+last position, not its own: a later wait for one of them waits for that point, which is correct,
+at worst a few kernels late. (An input only its dead code read is not accessed: the passes
+dropped that code.)
 
 A replayed window's dead-code elimination and chains stop at its edges (it was lowered alone, as
 was the first window of its shape); windows that do not replay are lowered with their neighbours.
@@ -49,21 +50,23 @@ RELEASE = None  # in a window's key: a release's ref follows
 class Program(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
     holds its kernels), whose kernels run on ``stream`` (its graph's compute stream).
-    ``positions``: the stream positions its operators take. ``written``:
-    the outside inputs (by number) written in place; ``released``: those released.
-    ``survivors``: the results (by number) left alive. ``scopes``: its kernels' device sets
-    (``CallInfo.scope``), on which a wait it no longer needs must have been made."""
+    ``positions``: the stream positions its operators take. ``readers``: for each outside input
+    (by number) its kernels read or write (not one only its dead code read), the device sets
+    (``CallInfo.scope``) of those kernels: a wait they no longer need must have been made on
+    each (a view made in the window is read on its base's devices). ``written``: the outside
+    inputs written in place; ``released``: those released. ``survivors``: the results (by
+    number) left alive."""
 
     id: int
     stream: int
     positions: int
+    readers: dict
     written: frozenset
     released: frozenset
     survivors: tuple
-    scopes: frozenset
 
 
-UNFIT = Program(0, 0, 0, frozenset(), frozenset(), (), frozenset())  # never replays
+UNFIT = Program(0, 0, 0, {}, frozenset(), frozenset(), ())  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -109,8 +112,10 @@ def phase(calls: dict, records: list, keys: list, start: int, p: int) -> int:
         if type(rec) is int:
             released[rec] = i
         else:
-            n_out = len(calls[rec[P.OP_CALL]].outputs)
-            for t in rec[P.OP_OUTS:P.OP_OUTS + n_out]:
+            call = calls[rec[P.OP_CALL]]
+            if call.flags & INPLACE:  # its result is its operand, made elsewhere: else the
+                continue  # cut would depend on where in the loop the stretch began
+            for t in rec[P.OP_OUTS:P.OP_OUTS + len(call.outputs)]:
                 made.setdefault(t, i)
     crossing = [0] * (p + 1)  # a difference array over the cuts
     for t, m in made.items():
@@ -327,7 +332,7 @@ class Replayer:
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
         number = {t: k for k, t in enumerate(outside)}
-        steps, positions, written_ids, scopes = [], 0, set(), set()
+        steps, positions, readers, written_ids = [], 0, {}, set()
         base = {}  # a view made in the window -> the tensor whose storage it views
         for node in lowered:
             if type(node) is int:
@@ -340,6 +345,8 @@ class Replayer:
                 flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
+                for t in m.inputs:
+                    readers.setdefault(t, set()).add(m.call.scope)
                 if flags & VIEW:
                     root = base.get(m.operands[0], m.operands[0])
                     base.update((o, root) for o in m.outs)
@@ -348,7 +355,6 @@ class Replayer:
                         m.operands[0], *(m.operands[k] for k in written(flags))))
                 outs, operands = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands])
-                scopes.add(m.call.scope)
             positions += len(members)
         released = {r for r in window if type(r) is int}
         survivors = [k for k, t in enumerate(made) if t not in released]
@@ -359,9 +365,9 @@ class Replayer:
             return
         program = Program(
             next(self.program_ids), stream, positions,
+            {number[t]: frozenset(scopes) for t, scopes in readers.items() if t in number},
             frozenset(number[t] for t in written_ids if t in number),
-            frozenset(number[t] for t in released if t in number), tuple(survivors),
-            frozenset(scopes))
+            frozenset(number[t] for t in released if t in number), tuple(survivors))
         self.programs[key] = program
         n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
                         self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
@@ -379,12 +385,16 @@ class Replayer:
         (or, for a view, made) on another stream not yet waited for on the program's devices."""
         st, stream = self.graph.streams, program.stream
         storages, roots, covered = st.storages, st.roots, st.covered
+        readers = program.readers
         for k, t in enumerate(outside):
+            scopes = readers.get(k)
+            if scopes is None:  # released, or read by dead code only: no access
+                continue
             view = roots.get(t)  # (its base's storage key, stream, position, devices)
             m = storages.get(t if view is None else view[0])
             if view is not None and view[1] != stream and not all(
                     covered.get((stream, scope), {}).get(view[1], 0) >= view[2]
-                    for scope in program.scopes):
+                    for scope in scopes):
                 return False  # a view whose handle was made on a stream not waited for
             if m is None:
                 continue
@@ -394,21 +404,25 @@ class Replayer:
                     return False
             elif writer != stream and not all(
                     covered.get((stream, scope), {}).get(writer, 0) >= m[WRITTEN]
-                    for scope in program.scopes):
+                    for scope in scopes):
                 return False
         end = st.position[stream] = st.position.get(stream, 0) + program.positions
         for k, t in enumerate(outside):
-            view = roots.pop(t, None) if k in program.released else roots.get(t)
+            released = k in program.released
+            if k not in readers and not released:
+                continue
+            view = roots.pop(t, None) if released else roots.get(t)
             storage = t if view is None else view[0]
             m = storages.get(storage)
-            if m is not None:
-                if k in program.written:
-                    m[WRITTEN] = m[LAST] = end
-                else:
-                    touch(m, stream, end)  # a read, here or on the writer's stream
-            elif k in program.written:
-                m = storages[storage] = [stream, end, end, None, 0]
-            if k in program.released and m is not None:
+            if k in readers:
+                if m is not None:
+                    if k in program.written:
+                        m[WRITTEN] = m[LAST] = end
+                    else:
+                        touch(m, stream, end)  # a read, here or on the writer's stream
+                elif k in program.written:
+                    m = storages[storage] = [stream, end, end, None, 0]
+            if released and m is not None:
                 if m[VIEWS]:  # one of its ids is gone, not the storage
                     m[VIEWS] -= 1
                 else:
