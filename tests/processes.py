@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,8 +151,28 @@ sys.path.insert(0, {TESTS_DIR!r})
 import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from processes import alive, children, rss_kb, runtime_pids, wait_until
+from processes import alive, children, first_error_after_kill, rss_kb, runtime_pids, wait_until
 
 def report(**values):
     print("RESULT " + json.dumps(values), flush=True)
 """
+
+
+def first_error_after_kill(issue, pid: int, kill_at: int = 2, rounds: int = 100,
+                           wait_s: float = 30.0) -> tuple:
+    """Issues ``issue()`` (a dtorch tensor) ``rounds`` times, reading each result, and SIGKILLs
+    ``pid`` while round ``kill_at`` is on its way. Returns the first error's text ("hung" if a
+    read waited ``wait_s``; None if none came) and the seconds from the kill to it."""
+    killed = None
+    try:
+        for i in range(rounds):
+            future = issue().to_torch_async()
+            if i == kill_at:
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+            if not future.wait(wait_s):
+                return "hung", None
+            future.get()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - killed if killed else None
+    return None, None

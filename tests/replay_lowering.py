@@ -236,6 +236,8 @@ class Forced(dict):
 
 
 def run_passes(g):
+    """The controller's passes over ``g``, as a function of the nodes (``Replayer``'s)."""
+
     def passes(nodes):
         for p in PASSES:
             nodes = p(g, nodes)

@@ -25,10 +25,7 @@ R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 NAMES = ["dp", "tp", "pp"]
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's fixture of that name: these tests start no runtime to sync."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 @pytest.fixture

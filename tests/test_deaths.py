@@ -49,19 +49,7 @@ for op, victim in trials:
     controller, hosts = runtime_pids()
     pid = hosts[int(victim)]
     pids += [controller, *hosts]
-    first, latency, killed = None, None, None
-    try:
-        for i in range(100):
-            future = collective(x).to_torch_async()
-            if i == 2:
-                os.kill(pid, signal.SIGKILL)
-                killed = time.monotonic()
-            if not future.wait(30):
-                first = "hung"
-                break
-            future.get()
-    except RuntimeError as e:
-        first, latency = str(e), time.monotonic() - killed if killed else None
+    first, latency = first_error_after_kill(lambda: collective(x), pid)
     results.append(dict(op=op, pid=pid, first=first, latency=latency))
     dtorch.shutdown()
     wait_until(lambda: not any(map(alive, pids)), 10)
@@ -139,19 +127,7 @@ try:
         host = children(agent.pid)[0]
         pid = host if what == "host" else agent.pid
         pids += [agent.pid, host]
-        first, latency, killed = None, None, None
-        try:
-            for i in range(100):
-                future = collective(x).to_torch_async()
-                if i == 2:
-                    os.kill(pid, signal.SIGKILL)
-                    killed = time.monotonic()
-                if not future.wait(30):
-                    first = "hung"
-                    break
-                future.get()
-        except RuntimeError as e:
-            first, latency = str(e), time.monotonic() - killed if killed else None
+        first, latency = first_error_after_kill(lambda: collective(x), pid)
         results.append(dict(what=what, machine=machine, address=victim, agent=agent.pid,
                             host=host, first=first, latency=latency))
         dtorch.shutdown()

@@ -21,10 +21,7 @@ from dtorch.runtime.program import MADE, OUTSIDE, SCALAR, Lowering, ProgramRun, 
 from dtorch.runtime.stream import Blob
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's: these tests start no runtime."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,7 @@ from dtorch.controller.passes import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's: these tests start no runtime."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 def make_graph(n_devices=2):

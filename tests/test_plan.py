@@ -26,10 +26,7 @@ S0, S1, S2 = Shard(0), Shard(1), Shard(2)
 P, PMAX, PMIN, PAVG = Partial(), Partial("max"), Partial("min"), Partial("avg")
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's fixture of that name: these tests start no runtime to sync."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 def kinds(src, dst) -> list:

@@ -20,10 +20,11 @@ from dtorch import config, protocol as P
 from dtorch.controller import replay
 from dtorch.controller.graph import LogicalGraph
 from dtorch.controller.main import Controller
-from dtorch.controller.passes import PASSES, StreamState
+from dtorch.controller.passes import StreamState
 from dtorch.client import session
 from dtorch.controller.replay import Replayer, periodic, windows
 from helpers import runtime_with
+from replay_lowering import run_passes
 
 
 def make_graph():
@@ -39,14 +40,6 @@ def make_graph():
     g.define([P.DEFINE_CALL, 5, "transpose", [1], [1], b"", P.VIEW])
     g.define([P.DEFINE_CALL, 6, "mul", [2, 0], [2], b"", 0])  # R * scalar
     return g
-
-
-def run_passes(g):
-    def passes(nodes):
-        for p in PASSES:
-            nodes = p(g, nodes)
-        return nodes
-    return passes
 
 
 class Ids:

@@ -27,10 +27,7 @@ from replay_lowering import (BETWEEN_KINDS, BODY_KINDS, IN_PLACE, Builder, asser
 WINDOW = 8  # replay.MIN_WINDOW here: loops of a few dozen iterations make many windows
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's: these tests start no runtime."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 @pytest.fixture(autouse=True)

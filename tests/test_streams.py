@@ -19,10 +19,7 @@ from dtorch.runtime.stream import Stream
 DEADLINE_S = 10.0
 
 
-@pytest.fixture(autouse=True)
-def _no_pending_errors():
-    """Overrides conftest's: these tests start no runtime, so there is nothing to sync."""
-    yield
+pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 
 class Reports:
