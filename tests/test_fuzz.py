@@ -30,7 +30,19 @@ from helpers import assert_close
 
 WAIT_S = 60  # generous: a correct runtime answers in well under a second
 R = Replicate()
-EXAMPLES = collections.Counter()  # examples run, per test
+EXAMPLES = collections.Counter()  # examples run, per test and outcome ("binary/refused")
+MIN_EXAMPLES = 20  # a fuzz test that ran fewer (all filtered out, say) proves next to nothing
+
+
+@pytest.fixture(autouse=True)
+def examples_ran(request):
+    """Each test here ran ``MIN_EXAMPLES`` examples at least, whatever ran before it; with
+    ``-s`` it prints how many, per outcome."""
+    before = collections.Counter(EXAMPLES)
+    yield
+    ran = EXAMPLES - before
+    print(f"\n{request.node.name}: {sum(ran.values())} examples: {dict(sorted(ran.items()))}")
+    assert sum(ran.values()) >= MIN_EXAMPLES, dict(ran)
 
 
 def fuzz_settings(n: int) -> settings:
@@ -444,12 +456,3 @@ def test_fuzz_device_mesh(meshes, ids, names):
         assert not valid_mesh(ids, names), (ids, names, got)
     EXAMPLES[f"mesh/{kind}"] += 1
     assert_alive(meshes["mesh1"])
-
-
-def test_fuzz_examples_ran(capsys):
-    """Prints how many examples ran, per test and outcome (run with the tests above)."""
-    if not EXAMPLES:
-        pytest.skip("run with the fuzz tests above")
-    with capsys.disabled():
-        print(f"\nfuzz: {sum(EXAMPLES.values())} examples: {dict(sorted(EXAMPLES.items()))}")
-    assert sum(EXAMPLES.values()) >= 100
