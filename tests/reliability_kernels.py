@@ -1,5 +1,7 @@
 """Kernels for tests/test_reliability.py (imported by name on the hosts)."""
 
+import os
+import pathlib
 import time
 
 import torch
@@ -13,6 +15,18 @@ def busy(x, seconds):
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             acc = acc + 1
+    return x + 1
+
+
+def busy_until_released(x, seconds):
+    """``busy`` that stops early once the file named by ``$RELIABILITY_RELEASE`` exists: the
+    test creates it after its signal, so the kernel cannot end before the signal comes, however
+    late a loaded machine delivers it."""
+    if x.device.type != "meta":
+        release = pathlib.Path(os.environ["RELIABILITY_RELEASE"])
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not release.exists():
+            time.sleep(0.01)
     return x + 1
 
 

@@ -39,11 +39,11 @@ def test_a_long_kernel_is_not_a_dead_host(mesh1):
 
 CTRL_C = CLIENT_PRELUDE + """
 sys.path.insert(0, os.path.dirname(os.path.abspath("reliability_kernels.py")))
-from reliability_kernels import busy
+from reliability_kernels import busy_until_released
 mesh = dtorch.init_device_mesh("cpu", (2,))
 x = dtorch.ones((2, 2), device_mesh=mesh, placements=[Shard(0)])
 assert x.sum().item() == 4.0
-slow = dtorch.local_map(busy, [Shard(0)])(x, 5.0)
+slow = dtorch.local_map(busy_until_released, [Shard(0)])(x, 120.0)
 try:
     print("WAITING", flush=True)  # inside: the interrupt may come at once
     slow.to_torch()
@@ -56,14 +56,18 @@ report(interrupted=interrupted, after=(x * 5).sum().item(), slow=slow.sum().item
 """
 
 
-def test_ctrl_c_interrupts_the_program_not_its_runtime():
-    """SIGINT to the whole foreground process group, as a terminal's Ctrl-C sends it."""
+def test_ctrl_c_interrupts_the_program_not_its_runtime(tmp_path):
+    """SIGINT to the whole foreground process group, as a terminal's Ctrl-C sends it, while a
+    kernel computes (it ends only once the signal was sent: the test releases it then)."""
+    release = tmp_path / "release"
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=TESTS_DIR,
-                            start_new_session=True)  # its own group, so killpg spares pytest
+                            start_new_session=True,  # its own group, so killpg spares pytest
+                            env={**os.environ, "RELIABILITY_RELEASE": str(release)})
     try:
         assert proc.stdout.readline().strip() == "WAITING"
         os.killpg(proc.pid, signal.SIGINT)
+        release.touch()
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
