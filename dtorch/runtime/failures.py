@@ -5,8 +5,8 @@ A kernel that raises fails its results with a ``Failure``: the user's line (site
 name and the exception, told to the client once (``tell``). Every result that depends on it
 carries the same Failure on, quietly, and reading one raises it. The Failure is the value a
 failed blob holds (``Blob.error``) and the value a replayed program keeps in place of a result
-that did not come to be (``program.ProgramRun``), so the kernel loop, replays and generated code
-pass on one thing.
+that did not come to be (``program.ProgramRun``), so the kernel loop, replays and generated
+code pass on one thing.
 
 A collective cannot skip its kernel as other kernels do: its peers would wait for it forever.
 Every member takes part (with zeros for a failed operand, ``stand_in``), and the members agree
