@@ -43,6 +43,7 @@ from .program import HostProgram, ProgramRun
 from .stream import Blob, Event, Recorder
 from .vjp import Saved, recording, vjp
 
+
 class HostCall:
     """A call shape as this host runs it: the kernel, its static kwargs, and the local devices
     taking part (those of the result's mesh, plus the source mesh's for a move)."""

@@ -78,11 +78,11 @@ class Memory:
 
 
 class Blob:
-    """A tensor a device holds (or the error that prevented it). Kernels hold the Blob objects
-    they use, so dropping a Blob from the device's table frees the memory only once the last
-    queued kernel using it has run. ``memory``: the device's Memory, which counts the tensor
-    from ``hold`` until the blob goes (None: not counted). ``view``: its tensor is (or would
-    have been) a view of another blob's storage."""
+    """A tensor a device holds (or the ``failures.Failure`` that prevented it, in ``error``).
+    Kernels hold the Blob objects they use, so dropping a Blob from the device's table frees the
+    memory only once the last queued kernel using it has run. ``memory``: the device's Memory,
+    which counts the tensor from ``hold`` until the blob goes (None: not counted). ``view``: its
+    tensor is (or would have been) a view of another blob's storage."""
 
     __slots__ = ("tensor", "error", "spec", "memory", "_held", "view")
 
