@@ -214,3 +214,26 @@ def test_a_full_write_clears_a_failure_alike_in_kernels_and_replays(replayed):
     assert one_sent == replay_sent == []
     assert [b.error for b in one] == [None, None, None, EARLIER, EARLIER, EARLIER, EARLIER]
     assert one[1].tensor.tolist() == one[2].tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_kernel_that_raises_fails_alike_in_kernels_and_replays():
+    """The one step runner (``execute.Runner.run_step``): a kernel record and a replay of the
+    same kernel tell the same error once, naming the kernel's first result, and leave the same
+    Failure in its result, which a later kernel passes on without telling."""
+    def operands():
+        return [Blob(None, torch.arange(4.0)), Blob(None, torch.ones(4))]
+
+    host, first, then = Host(), Blob(None), Blob(None)
+    outside = operands()
+    KernelRun([(FAIL, None, outside, 2)], [first], None, host, 20)()
+    KernelRun([(ADD, None, [first, outside[1]], 3)], [then], None, host, 21)()
+    steps = [ProgramStep(FAIL, None, ((OUTSIDE, 0), (OUTSIDE, 1)), 2, (0,)),
+             ProgramStep(ADD, None, ((MADE, 0), (OUTSIDE, 1)), 3, (1,))]
+    mark_frees(steps)
+    blobs, replay = {0: Blob(None), 1: Blob(None)}, Host()
+    ProgramRun(Lowering(steps, [0, 1], {0, 1}), operands(), blobs, ([10, 11], [20, 21]), [],
+               replay)()
+    assert host.sent == replay.sent and len(host.sent) == 1
+    assert host.sent[0][1:] == (2, "fail", "ValueError: no such thing", 20)
+    assert first.error == then.error == blobs[0].error == blobs[1].error
+    assert type(blobs[1].error) is Failure and blobs[1].error == host.sent[0][1:4]
