@@ -57,9 +57,6 @@ class Runner:
             return self.tell(Failure.raised(site, call.name, e), step)
         if call.overwrites and type(operands[0]) is Blob and operands[0].error is not None:
             operands[0].overwritten(result)  # the full write cleared its failure
-        if config.debug >= 2:
-            print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
-                  f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
         return result
 
     def tell(self, failure: Failure, step=None) -> Failure:
@@ -85,15 +82,17 @@ class KernelRun(Runner):
         steps = self.steps
         if steps[0][0].comm:
             result = run_collective(self, *steps[0])
-        elif len(steps) == 1:
-            result = self.run_step(*steps[0])
         else:
-            result = None
+            chain, result = len(steps) > 1, None
             for call, ctx, inputs, site in steps:
-                result = self.run_step(call, ctx, [result if x is PREV else x for x in inputs],
-                                       site)
+                if chain:  # the previous step's result is an operand
+                    inputs = [result if x is PREV else x for x in inputs]
+                result = self.run_step(call, ctx, inputs, site)
                 if type(result) is Failure:
                     break
+                if config.debug >= 2:
+                    print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
+                          f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
         if type(result) is Failure:
             self._fail(result)
         else:

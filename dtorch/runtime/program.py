@@ -30,7 +30,7 @@ from .. import protocol as P
 from .execute import Runner
 from .failures import Failure, first_failure, tell
 
-MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from
+MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from (ProgramRun._run's index)
 # runs of a lowering before it is generated: compiling costs about 45 µs a step on the stream
 # thread, what some 35 runs save
 STRAIGHT_AFTER = 32
@@ -251,12 +251,13 @@ class ProgramRun(Runner):
         self._run(steps[n:], values, None)
 
     def _run(self, steps, values, probe) -> None:
-        outside, scalars = self.outside, self.scalars
+        outside = self.outside
+        where = (values, outside, self.scalars)  # by a source's kind: MADE, OUTSIDE, SCALAR
+        run_step, store = self.run_step, self._store
         for index, step in enumerate(steps):
             if probe is not None:
                 probe.capture(index, values, outside)
-            operands = [values[k] if kind == MADE else outside[k] if kind == OUTSIDE
-                        else scalars[k] for kind, k in step.sources]
+            operands = [where[kind][k] for kind, k in step.sources]
             if step.original is not None and first_failure(operands) is not None:
                 # a fused step's input failed: its kernels one by one, so that only the
                 # results depending on the failure carry it
@@ -264,8 +265,7 @@ class ProgramRun(Runner):
                 for ref in step.frees:
                     values[ref] = None
                 continue
-            self._store(step, self.run_step(step.call, step.ctx, operands, step.site, step),
-                        values)
+            store(step, run_step(step.call, step.ctx, operands, step.site, step), values)
 
     def tell(self, failure: Failure, step=None) -> Failure:
         """Names ``step``'s kernel by its first result."""
