@@ -20,13 +20,13 @@ import torch
 import dtorch
 from dtorch.ops import registry
 from dtorch.runtime.fusion import EXACT, fusable, same_bits, segments
-from dtorch.runtime.program import MADE, OUTSIDE, SCALAR, Step
+from dtorch.runtime.program import MADE, OUTSIDE, SCALAR, ProgramStep
 from helpers import runtime_with
 
 
 def step(name, sources, outs, **kwargs):
     call = SimpleNamespace(name=name, inplace=False, saves=False, kwargs=kwargs)
-    return Step(call, None, tuple(sources), 0, tuple(outs))
+    return ProgramStep(call, None, tuple(sources), 0, tuple(outs))
 
 
 def test_segments_are_stretches_of_fusable_kernels_with_their_boundaries():

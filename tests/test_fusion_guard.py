@@ -16,8 +16,10 @@ import torch
 import torch._inductor
 
 from dtorch import config
+from dtorch.runtime.failures import Failure
 from dtorch.runtime.fusion import Fused, Fuser
-from dtorch.runtime.program import MADE, OUTSIDE, SCALAR, Lowering, ProgramRun, Step
+from dtorch.runtime.program import (MADE, OUTSIDE, SCALAR, Lowering, ProgramRun,
+                                    ProgramStep)
 from dtorch.runtime.stream import Blob
 
 
@@ -45,12 +47,12 @@ def steps():
     """r0 = o0 * s0; r1 = r0 + o1; r2 = r1 / o2 (a segment), r3 = exp(r2) (not fused), then
     r4 = r3 * s1; r5 = r4 + r2 (another segment, leaving two results). Survivors: r2, r4, r5."""
     return [
-        Step(MUL, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),
-        Step(ADD, None, ((MADE, 0), (OUTSIDE, 1)), 2, (1,)),
-        Step(DIV, None, ((MADE, 1), (OUTSIDE, 2)), 3, (2,)),
-        Step(EXP, None, ((MADE, 2),), 4, (3,)),
-        Step(MUL, None, ((MADE, 3), (SCALAR, 1)), 5, (4,)),
-        Step(ADD, None, ((MADE, 4), (MADE, 2)), 6, (5,)),
+        ProgramStep(MUL, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),
+        ProgramStep(ADD, None, ((MADE, 0), (OUTSIDE, 1)), 2, (1,)),
+        ProgramStep(DIV, None, ((MADE, 1), (OUTSIDE, 2)), 3, (2,)),
+        ProgramStep(EXP, None, ((MADE, 2),), 4, (3,)),
+        ProgramStep(MUL, None, ((MADE, 3), (SCALAR, 1)), 5, (4,)),
+        ProgramStep(ADD, None, ((MADE, 4), (MADE, 2)), 6, (5,)),
     ]
 
 
@@ -106,7 +108,7 @@ class Hot:
                                                    Fuser.scalars_key(scalars))
         outside = [Blob(None, t) for t in self.inputs()]
         for j in errors:
-            outside[j].error = (9, "earlier", f"input {j} failed")
+            outside[j].error = Failure(9, "earlier", f"input {j} failed")
         blobs = {k: Blob(None) for k in self.survivors}
         ProgramRun(lowering, outside, blobs, ([10, 11, 12], list(range(20, 30))), scalars,
                    self.host, probe, hot)()
@@ -287,10 +289,10 @@ def chains():
     """One segment of two independent chains over three outside inputs: r0 = o0 * s0,
     r1 = o1 * s1, r2 = o2 + o2, r3 = r0 + r1. Survivors: r2, r3."""
     return [
-        Step(MUL, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),
-        Step(MUL, None, ((OUTSIDE, 1), (SCALAR, 1)), 2, (1,)),
-        Step(ADD, None, ((OUTSIDE, 2), (OUTSIDE, 2)), 3, (2,)),
-        Step(ADD, None, ((MADE, 0), (MADE, 1)), 4, (3,)),
+        ProgramStep(MUL, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),
+        ProgramStep(MUL, None, ((OUTSIDE, 1), (SCALAR, 1)), 2, (1,)),
+        ProgramStep(ADD, None, ((OUTSIDE, 2), (OUTSIDE, 2)), 3, (2,)),
+        ProgramStep(ADD, None, ((MADE, 0), (MADE, 1)), 4, (3,)),
     ]
 
 

@@ -9,19 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dtorch.runtime.execute import KernelRun
+from dtorch.runtime.failures import Failure
 from dtorch.runtime.program import (
     MADE,
     OUTSIDE,
     SCALAR,
     STRAIGHT_AFTER,
-    Failed,
     Lowering,
     ProgramRun,
-    Step,
+    ProgramStep,
     mark_frees,
     straight_line,
 )
-from dtorch.runtime.host import KernelRun
 from dtorch.runtime.stream import Blob
 
 
@@ -47,13 +47,13 @@ WITH_CTX = kernel("scale", lambda ctx, x: x * ctx)
 def program(failing: bool = False) -> tuple:
     """``(steps, reads, survivors)``: outside inputs 0 and 1, scalar 0; results 0..6."""
     steps = [
-        Step(ADD, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),           # r0 = o0 + s0
-        Step(FAIL if failing else MUL, None, ((MADE, 0), (OUTSIDE, 1)), 2, (1,)),  # r1
-        Step(SPLIT, None, ((MADE, 1),), 3, (2, 3)),                       # r2, r3 = split(r1)
-        Step(ADD_ALPHA, None, ((MADE, 2), (MADE, 3)), 4, (4,)),           # r4 = r2 + 2 r3
-        Step(ADD_, None, ((OUTSIDE, 1), (MADE, 0)), 5, (-2,)),            # o1 += r0
-        Step(WITH_CTX, 3.0, ((OUTSIDE, 1),), 6, (5,)),                    # r5 = 3 o1
-        Step(ADD, None, ((OUTSIDE, 0), (OUTSIDE, 0)), 7, (6,)),           # r6: no failed input
+        ProgramStep(ADD, None, ((OUTSIDE, 0), (SCALAR, 0)), 1, (0,)),          # r0 = o0 + s0
+        ProgramStep(FAIL if failing else MUL, None, ((MADE, 0), (OUTSIDE, 1)), 2, (1,)),  # r1
+        ProgramStep(SPLIT, None, ((MADE, 1),), 3, (2, 3)),                      # r2, r3 = r1
+        ProgramStep(ADD_ALPHA, None, ((MADE, 2), (MADE, 3)), 4, (4,)),          # r4 = r2 + 2 r3
+        ProgramStep(ADD_, None, ((OUTSIDE, 1), (MADE, 0)), 5, (-2,)),           # o1 += r0
+        ProgramStep(WITH_CTX, 3.0, ((OUTSIDE, 1),), 6, (5,)),                   # r5 = 3 o1
+        ProgramStep(ADD, None, ((OUTSIDE, 0), (OUTSIDE, 0)), 7, (6,)),          # r6: none failed
     ]
     mark_frees(steps)
     return steps, [0, 1], {4, 5, 6}
@@ -113,7 +113,7 @@ def test_generated_function_does_what_the_loop_does(failing):
 
 
 def test_an_outside_input_that_failed_hands_the_run_to_the_loop():
-    error = (9, "earlier", "RuntimeError: boom")
+    error = Failure(9, "earlier", "RuntimeError: boom")
     fast_blobs, _, fast_sent = run(True, outside_error=error)
     loop_blobs, _, loop_sent = run(False, outside_error=error)
     assert state(fast_blobs) == state(loop_blobs)
@@ -135,7 +135,7 @@ def test_temporaries_are_dropped_after_their_last_use():
     task._run_all(values)
     assert lowering.fast is not None
     assert [v is None for v in values] == [True, True, True, True, False, False, False]
-    assert not any(type(v) is Failed for v in values)
+    assert not any(type(v) is Failure for v in values)
 
 
 def test_a_lowering_is_generated_once_it_has_run_often():
@@ -151,7 +151,7 @@ def test_a_lowering_is_generated_once_it_has_run_often():
 
 COPY_ = kernel("copy_", lambda ctx, x, y: x.copy_(y), overwrites=True)
 ADD_CTX_ = kernel("add_", lambda ctx, x, y: x.add_(y))
-EARLIER = (9, "earlier", "RuntimeError: boom")
+EARLIER = Failure(9, "earlier", "RuntimeError: boom")
 # outside blobs: (tensor it holds, its failure, a view): a value, failures with and without a
 # tensor, a view never made, a failed source
 OUTSIDE_BLOBS = [(torch.arange(4.0), None, False), (torch.ones(4), EARLIER, False),
@@ -179,7 +179,7 @@ def context():
 
 
 def write_one_by_one() -> tuple:
-    """Each write as a kernel of its own (``host.KernelRun``, how the passes' lowering runs)."""
+    """Each write as a kernel of its own (``execute.KernelRun``, how the passes' lowering runs)."""
     outside, host = outside_blobs(), Host()
     for site, (call, dst, src) in enumerate(WRITES):
         KernelRun([(call, context(), [outside[dst], outside[src]], site)], [outside[dst]], None,
@@ -189,7 +189,7 @@ def write_one_by_one() -> tuple:
 
 def write_replayed(fast: bool) -> tuple:
     """The same writes as one replayed program, by the loop or by the generated function."""
-    steps = [Step(call, context(), ((OUTSIDE, dst), (OUTSIDE, src)), site, (-1 - dst,))
+    steps = [ProgramStep(call, context(), ((OUTSIDE, dst), (OUTSIDE, src)), site, (-1 - dst,))
              for site, (call, dst, src) in enumerate(WRITES)]
     mark_frees(steps)
     reads = list(range(len(OUTSIDE_BLOBS)))
@@ -214,3 +214,26 @@ def test_a_full_write_clears_a_failure_alike_in_kernels_and_replays(replayed):
     assert one_sent == replay_sent == []
     assert [b.error for b in one] == [None, None, None, EARLIER, EARLIER, EARLIER, EARLIER]
     assert one[1].tensor.tolist() == one[2].tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_kernel_that_raises_fails_alike_in_kernels_and_replays():
+    """The one step runner (``execute.Runner.run_step``): a kernel record and a replay of the
+    same kernel tell the same error once, naming the kernel's first result, and leave the same
+    Failure in its result, which a later kernel passes on without telling."""
+    def operands():
+        return [Blob(None, torch.arange(4.0)), Blob(None, torch.ones(4))]
+
+    host, first, then = Host(), Blob(None), Blob(None)
+    outside = operands()
+    KernelRun([(FAIL, None, outside, 2)], [first], None, host, 20)()
+    KernelRun([(ADD, None, [first, outside[1]], 3)], [then], None, host, 21)()
+    steps = [ProgramStep(FAIL, None, ((OUTSIDE, 0), (OUTSIDE, 1)), 2, (0,)),
+             ProgramStep(ADD, None, ((MADE, 0), (OUTSIDE, 1)), 3, (1,))]
+    mark_frees(steps)
+    blobs, replay = {0: Blob(None), 1: Blob(None)}, Host()
+    ProgramRun(Lowering(steps, [0, 1], {0, 1}), operands(), blobs, ([10, 11], [20, 21]), [],
+               replay)()
+    assert host.sent == replay.sent and len(host.sent) == 1
+    assert host.sent[0][1:] == (2, "fail", "ValueError: no such thing", 20)
+    assert first.error == then.error == blobs[0].error == blobs[1].error
+    assert type(blobs[1].error) is Failure and blobs[1].error == host.sent[0][1:4]

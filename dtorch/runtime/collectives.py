@@ -232,7 +232,7 @@ def hop(ctx, x, failure: int = 0):
 
     The failure travels in-band, a one-element message ahead of the block (on the CPU group of
     the pair, so that reading it never waits for a GPU), so a hop needs no agreement among the
-    devices of both meshes (``Host._run_collective``'s all-reduce, a round trip through every
+    devices of both meshes (``failures.run_collective``'s all-reduce, a round trip through every
     member): a received block depends on its sender's input alone, and the receiver learns of
     it in the one direction the data goes.
 

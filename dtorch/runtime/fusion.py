@@ -43,7 +43,7 @@ import torch
 
 from .. import config, protocol as P
 from . import cuda_graphs
-from .program import MADE, OUTSIDE, SCALAR, Lowering, Step, mark_frees
+from .program import MADE, OUTSIDE, SCALAR, Lowering, ProgramStep, mark_frees
 
 EXACT = frozenset({  # registry names
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "square", "reciprocal", "maximum",
@@ -64,7 +64,7 @@ EXACT_DTYPES = frozenset({torch.float32, torch.float64, torch.bool, torch.uint8,
 EXACT_ONLY_WITH = {"alpha": 1, "rounding_mode": None, "decimals": 0}
 
 
-def fusable(step: Step) -> bool:
+def fusable(step: ProgramStep) -> bool:
     """A kernel that may join a segment: an EXACT operator, not in place, without a context."""
     call = step.call
     return (call.name in EXACT and step.ctx is None and not call.inplace and not call.saves
@@ -107,7 +107,7 @@ def _boundary(steps, first, end, survivors):
 
 
 class FusedCall:
-    """A segment's compiled code, in the place of a HostCall (``Step.call``)."""
+    """A segment's compiled code, in the place of a HostCall (``ProgramStep.call``)."""
 
     __slots__ = ("fn", "name", "kwargs", "inplace", "saves")
     overwrites = False  # in-place kernels never fuse
@@ -117,7 +117,7 @@ class FusedCall:
         self.inplace = self.saves = False
 
 
-class Fused(Step):
+class Fused(ProgramStep):
     """A segment as one step: its inputs as sources, its outputs as results, and ``original``,
     its kernels one by one (run instead when an input failed)."""
 

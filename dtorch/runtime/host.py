@@ -7,13 +7,11 @@ stream threads (values, errors, sync acknowledgements) go through one FIFO that 
 forwards to the controller, so they leave in the order they were made: a kernel error reported
 before a sync acknowledgement reaches the client first, and the sync raises it.
 
-A kernel whose input failed does not run: its outputs carry the first failure on (poisoned), and
-reading them raises it. Collectives are the exception, because their peers would wait for them
-forever: every member takes part, and the members agree on whether any member's input failed
-(``KernelRun._run_collective``), so a failure on one device poisons exactly the values that
-depend on it, on every device.
-
-Records are handled by a table from tag to handler (``Host.HANDLERS``).
+Records are handled by a table from tag to handler (``Host.HANDLERS``). A kernel record becomes
+an ``execute.KernelRun`` per local device, a replay one ``program.ProgramRun``; both run their
+kernels through one step runner (``runtime/execute.py``). A kernel whose input failed does not
+run: its outputs carry the first Failure on (poisoned), and reading them raises it; a
+collective's members agree on failures instead (``runtime/failures.py``).
 """
 
 from __future__ import annotations
@@ -24,56 +22,26 @@ import datetime
 import os
 import sys
 import threading
-import time
 import traceback
 
 import torch
 import zmq
-from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
+from torch._C._distributed_c10d import FileStore
 
 from .. import config, protocol as P
 from ..cluster import auth, local
 from ..ops import registry  # importing ops registers every operator's kernel
-from ..spec import MeshInfo, coordinate_of, span_devices
-from .collectives import STEP_KERNELS, hop, is_hop
+from ..spec import MeshInfo, coordinate_of
+from .collectives import STEP_KERNELS, is_hop
 from . import cpu_memory
-from .context import Groups, KernelContext
+from .context import KernelContext
+from .devices import Device
+from .execute import PREV, KernelRun
+from .failures import Failure, tell
 from .fusion import Fuser
-from .program import Program, ProgramRun
-from .stream import Blob, Event, Memory, Recorder, Stream
-from .vjp import ForwardFailed, Saved, recording, vjp
-
-class Device:
-    def __init__(self, host: Host, index: int, device_type: str):
-        self.host, self.index = host, index
-        # a GPU's ordinal is its index on its own machine (device ids count machine by machine)
-        first = config.machine_devices[0] if config.machine_devices else 0
-        self.torch_device = torch.device("cpu") if device_type == "cpu" else torch.device(
-            "cuda", index - first)
-        self.streams: dict = {}
-        self.blobs: dict = {}
-        # the bytes its blobs hold (a CUDA device reports torch.cuda's allocator instead)
-        self.memory = Memory() if device_type == "cpu" else None
-        self._groups = Groups(index, self.torch_device, host.store)
-        # failure agreement runs on the CPU (reading a flag from a GPU would sync its stream)
-        self._cpu_groups = self._groups if device_type == "cpu" else Groups(
-            index, torch.device("cpu"), host.store, prefix="cpu-pg/")
-
-    def stream(self, sid: int) -> Stream:
-        s = self.streams.get(sid)
-        if s is None:
-            s = self.streams[sid] = Stream(f"dev{self.index}-stream{sid}", self.torch_device,
-                                           on_error=self.host.on_stream_error,
-                                           label=(self.index, sid))
-            s.tracer = self.host.tracer  # a stream made while tracing records from its start
-        return s
-
-    def group(self, members: tuple):
-        return self._groups.get(members)
-
-    def cpu_group(self, members: tuple):
-        """A gloo group of the same members, for small flags the CPU reads."""
-        return self._cpu_groups.get(members)
+from .program import HostProgram, ProgramRun
+from .stream import Blob, Event, Recorder
+from .vjp import Saved, recording, vjp
 
 
 class HostCall:
@@ -140,178 +108,6 @@ class HostCall:
             ctx = self.contexts[device.index] = KernelContext(device, self.in_specs,
                                                               self.out_specs)
         return ctx
-
-
-PREV = object()  # a chain step's operand that is the previous step's result
-
-
-class KernelRun:
-    """One kernel on one device, queued on a stream; or a chain of kernels each feeding the next
-    (``passes.fuse_chains``), of which only the last step's results become blobs.
-    A step is (HostCall, KernelContext or None, operands: Blob / PREV / scalar, site)."""
-
-    __slots__ = ("steps", "outputs", "waits", "host", "key")
-
-    def __init__(self, steps, outputs, waits, host, key):
-        self.steps, self.outputs, self.waits, self.host = steps, outputs, waits, host
-        self.key = key  # the kernel's first result id, naming its failure to the client
-
-    def __call__(self) -> None:
-        if self.waits:
-            for e in self.waits:
-                e.wait()
-        if self.steps[0][0].comm:
-            return self._run_collective()
-        result = None
-        for call, ctx, inputs, site in self.steps:
-            args, repaired = [], None
-            for x in inputs:
-                if type(x) is Blob:
-                    if x.error is not None:  # poisoned: pass the first failure on, quietly
-                        target = x.overwritable(ctx) if call.overwrites and not args else None
-                        if target is None:
-                            return self._fail(x.error, report=False)
-                        args.append(target)  # unless the kernel writes all of it
-                        repaired = x
-                        continue
-                    args.append(x.tensor)
-                else:
-                    args.append(result if x is PREV else x)
-            try:
-                if ctx is not None:
-                    result = call.fn(ctx, *args, **call.kwargs)
-                else:
-                    result = call.fn(*args, **call.kwargs)
-            except ForwardFailed as e:  # reported when the forward failed
-                return self._fail(e.error, report=False)
-            except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-                return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
-            if repaired is not None:
-                repaired.overwritten(result)
-            if config.debug >= 2:
-                print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
-                      f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
-        self._store(result)
-
-    @property
-    def trace_name(self) -> str:
-        """The kernel's name in a trace (a chain's joined with "+"); read only while tracing."""
-        return "+".join(step[0].name for step in self.steps)
-
-    @property
-    def site(self) -> int:
-        """The user's line that issued the (last) kernel."""
-        return self.steps[-1][3]
-
-    def _store(self, result) -> None:
-        outputs = self.outputs
-        if len(outputs) == 1:
-            outputs[0].hold(result)
-        else:
-            for blob, value in zip(outputs, result):
-                blob.hold(value)
-
-    def _run_collective(self) -> None:
-        """A collective never skips: its peers would wait for it forever. A member whose input
-        failed takes part with zeros. Alongside, the members all-reduce (MAX) the site of their
-        input's failure plus one (0: none), so all of them poison their outputs together; a
-        member that learns of a peer's failure only knows its site, and its outputs carry
-        ``(site, None, None)``, which the client reads as "poisoned by the failure there".
-        The flag travels on another of gloo's threads while the collective runs. (A hop
-        between meshes of one shape needs none of this: ``_run_hop``.)"""
-        call, ctx, inputs, site = self.steps[0]
-        if call.hop:
-            return self._run_hop(call, ctx, inputs[0], site)
-        error = first_failure(inputs) or (getattr(inputs[0], "error", None) if call.reads_saved
-                                          else None)  # a VJP of a forward that did not run
-        # a VJP's collectives are its graph's: a device whose forward failed has none, so the
-        # peers learn of that (or of a failed gradient) before any of them starts
-        missing = call.reads_saved and error is None and not hasattr(inputs[0], "outs")
-        failed = error is not None or missing
-        flag = torch.tensor([error[0] + 1 if error else site + 1 if missing else 0],
-                            dtype=torch.int64)
-        peers = failure_peers(ctx, call)
-        agreed = failure = result = None
-        if len(peers) > 1:
-            opts = AllreduceOptions()
-            opts.reduceOp = ReduceOp.MAX
-            agreed = ctx.device.cpu_group(peers).allreduce([flag], opts)
-            if call.reads_saved:
-                failure, agreed = _agree(agreed, site, call), None
-                failed = failed or bool(int(flag))
-        try:
-            if not (call.reads_saved and failed and not missing):
-                args = [stand_in(ctx, k, x) for k, x in enumerate(inputs)]
-                result = call.fn(ctx, *args, **call.kwargs)
-        except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-            failure = (site, call.name, f"{type(e).__name__}: {e}")
-        if agreed is not None:
-            failure = _agree(agreed, site, call) or failure
-        if error is not None:
-            return self._fail(error, report=False)
-        if failure is not None:
-            return self._fail(failure, report=True)
-        if int(flag):
-            return self._fail((int(flag) - 1, None, None), report=False)
-        self._store(result)
-
-    def _run_hop(self, call, ctx, block, site) -> None:
-        """A pipeline hop (``collectives.hop``): each received block depends on its sender's
-        input alone, and the sender's failure travels with it, so the receiver poisons its
-        block exactly when that input failed, with no agreement among the other devices."""
-        error = block.error if type(block) is Blob else None
-        try:
-            received, sender = hop(ctx, stand_in(ctx, 0, block), error[0] + 1 if error else 0)
-        except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-            return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
-        if sender:
-            return self._fail((sender - 1, None, None), report=False)
-        self._store(received)
-
-    def _fail(self, error, report: bool) -> None:
-        for blob in self.outputs:
-            blob.error = error
-        for call, _, inputs, _ in self.steps:  # a recorded call that did not run: its VJP fails
-            if call.saves and not hasattr(inputs[-3], "outs"):  # alike (``saved_slots``)
-                inputs[-3].error = error
-        if report:
-            self.host.send(P.KernelError(P.KERNEL_ERROR, *error, self.key))
-
-
-def _agree(agreed, site, call):
-    """Waits for the failure flags' all-reduce: None, or the failure of a peer that missed it."""
-    try:
-        agreed.wait()
-    except Exception as e:  # noqa: BLE001 - e.g. a peer missed the deadline
-        return site, call.name, f"{type(e).__name__}: {e}"
-    return None
-
-
-def first_failure(inputs):
-    return next((x.error for x in inputs if type(x) is Blob and x.error is not None), None)
-
-
-def stand_in(ctx, k: int, x):
-    """Operand ``k`` of a collective: the blob's tensor, or zeros of its block's shape when the
-    blob failed."""
-    if type(x) is not Blob:
-        return x
-    if x.error is None:
-        return x.tensor
-    spec = ctx.in_specs[k]
-    shape = spec.local_region(ctx.coord)[0]
-    return torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=ctx.device.torch_device)
-
-
-def failure_peers(ctx, call: HostCall) -> tuple:
-    """The devices that run one collective together: a move spans both meshes (every device of
-    either runs it); every other step runs along one mesh dim of one mesh, and a COMM kernel
-    along its ``comm_dims``."""
-    src = next(s for s in call.in_specs if s is not None)  # a VJP's first operand is its key
-    dst = call.out_specs[0]
-    if src.mesh is not dst.mesh:
-        return tuple(sorted(set(src.mesh.devices) | set(dst.mesh.devices)))
-    return span_devices(src.mesh, call.comm_dims, ctx.coord)
 
 
 class Host:
@@ -444,7 +240,7 @@ class Host:
                 stream.put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
 
     def on_define_program(self, rec) -> None:
-        self.programs[P.DefineProgram(*rec).id] = Program(self, rec)
+        self.programs[P.DefineProgram(*rec).id] = HostProgram(self, rec)
 
     def on_replay(self, rec) -> None:
         """A window of a program's shape: one task per local device, its outside inputs' blobs
@@ -529,8 +325,8 @@ class Host:
                 message = (f"operand {operands[k]} is not on this runtime (was it made before "
                            "dtorch.shutdown()?)")
                 out[k] = b = Blob(spec)
-                b.error = (site, call.name, message)
-                self.send(P.KernelError(P.KERNEL_ERROR, *b.error, operands[k]))
+                b.error = Failure(site, call.name, message)
+                tell(self, b.error, operands[k])
         return out
 
     def on_release(self, tensor_id: int) -> None:
@@ -553,8 +349,7 @@ class Host:
 
     def _send_value(self, blob: Blob, coord, request: int) -> None:
         if blob.error is not None:
-            site, op, message = blob.error
-            self.send(P.FetchFailed(P.FETCH_FAILED, request, site, op, message))
+            self.send(P.FetchFailed(P.FETCH_FAILED, request, *blob.error))
             return
         try:
             t = blob.tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)

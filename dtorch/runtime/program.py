@@ -2,8 +2,8 @@
 
 The controller defines a window shape once (``P.DefineProgram``) and then sends one short Replay
 record per window of that shape (``controller/replay.py``). A host lowers the program once per
-device (``Program.lower``): each step's kernel, context and operand sources resolved, and the step
-after which each result is last needed. A replay then costs the host's main thread one blob
+device (``HostProgram.lower``): each step's kernel, context and operand sources resolved, and
+the step after which each result is last needed. A replay then costs the host's main thread one blob
 lookup per outside input and one blob per result left alive, and its stream one task
 (``ProgramRun``) that runs the kernels, results passed in a list: no record decoded, no blob
 made or task queued per kernel, and each temporary freed right after its last use.
@@ -15,8 +15,11 @@ loop interpreting the steps) to 0.1-0.2 µs (64 adds of 8 floats, where torch's 
 1.5-2.0). The loop (``ProgramRun._run``) stays for the runs before, for a run that copies
 inputs for the compiler, and for everything after a failure.
 
-Failures behave as in ``KernelRun``: a kernel that raises reports its error (naming its site and
-first result) and every result depending on it carries that error on, quietly.
+The loop runs each kernel through the host's one step runner (``execute.Runner.run_step``), as
+a kernel record's task does, so failures behave alike: a kernel that raises reports its error
+(naming its site and first result) and every result depending on it carries that Failure on
+(``runtime/failures.py``), quietly; in the values list a Failure stands in for a result that did
+not come to be.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from __future__ import annotations
 import time
 
 from .. import protocol as P
+from .execute import Runner
+from .failures import Failure, first_failure, tell
 
-MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from
+MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from (ProgramRun._run's index)
 # runs of a lowering before it is generated: compiling costs about 45 µs a step on the stream
 # thread, what some 35 runs save
 STRAIGHT_AFTER = 32
 
 
-class Step:
+class ProgramStep:
     """One kernel of a program on one device."""
 
     __slots__ = ("call", "ctx", "sources", "site", "outs", "frees", "original")
@@ -57,7 +62,7 @@ def mark_frees(steps: list) -> None:
         steps[n].frees = tuple(refs)
 
 
-class Program:
+class HostProgram:
     """A ``P.DefineProgram`` as this host runs it."""
 
     def __init__(self, host, rec):
@@ -99,7 +104,7 @@ class Program:
             for ref in outs:  # an in-place kernel's result is its (outside) operand
                 if ref < 0:
                     reads.add(-1 - ref)
-            steps.append(Step(call, call.context(dev) if call.uses_context else None,
+            steps.append(ProgramStep(call, call.context(dev) if call.uses_context else None,
                               tuple(sources), site, tuple(outs)))
         mark_frees(steps)
         return Lowering(steps, sorted(reads), self.survivors)
@@ -189,16 +194,7 @@ def straight_line(steps: list, reads: list, survivors):
     return env["run"]
 
 
-class Failed:
-    """A result that did not come to be: the error it carries on."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error):
-        self.error = error
-
-
-class ProgramRun:
+class ProgramRun(Runner):
     """One replay of a program on one device, queued on its stream as one task. ``lowering``:
     the program on this device; ``outside``: the outside inputs' Blobs by number (None where
     this device reads none); ``blobs``: the survivors' Blobs by result number; ``ids``: the
@@ -248,69 +244,41 @@ class ProgramRun:
             return
         n, raised = stop  # the loop goes on from there
         if raised is not None:
-            self._store(steps[n], Failed(self._report(steps[n], raised)), values)
+            step = steps[n]
+            self._store(step, self.tell(Failure.raised(step.site, step.call.name, raised), step),
+                        values)
             n += 1
         self._run(steps[n:], values, None)
 
     def _run(self, steps, values, probe) -> None:
-        outside, scalars = self.outside, self.scalars
+        outside = self.outside
+        where = (values, outside, self.scalars)  # by a source's kind: MADE, OUTSIDE, SCALAR
+        run_step, store = self.run_step, self._store
         for index, step in enumerate(steps):
             if probe is not None:
                 probe.capture(index, values, outside)
-            args, error, repaired = [], None, None
-            for kind, k in step.sources:
-                if kind == MADE:
-                    v = values[k]
-                    if type(v) is Failed:
-                        error = v.error
-                        break
-                elif kind == OUTSIDE:
-                    b = outside[k]
-                    v = b.tensor
-                    if b.error is not None:  # unless the kernel writes all of it
-                        v = b.overwritable(step.ctx) if step.call.overwrites and not args \
-                            else None
-                        if v is None:
-                            error = b.error
-                            break
-                        repaired = b
-                else:
-                    v = scalars[k]
-                args.append(v)
-            if error is not None and step.original is not None:
+            operands = [where[kind][k] for kind, k in step.sources]
+            if step.original is not None and first_failure(operands) is not None:
                 # a fused step's input failed: its kernels one by one, so that only the
                 # results depending on the failure carry it
                 self._run(step.original, values, None)
                 for ref in step.frees:
                     values[ref] = None
                 continue
-            if error is None:
-                call = step.call
-                try:
-                    if step.ctx is not None:
-                        result = call.fn(step.ctx, *args, **call.kwargs)
-                    else:
-                        result = call.fn(*args, **call.kwargs)
-                except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's
-                    error = self._report(step, e)
-                else:
-                    if repaired is not None:
-                        repaired.overwritten(result)
-            self._store(step, Failed(error) if error is not None else result, values)
+            store(step, run_step(step.call, step.ctx, operands, step.site, step), values)
 
-    def _report(self, step, e: Exception) -> tuple:
-        """Tells the client that ``step``'s kernel raised ``e``; the error its results carry."""
-        error = (step.site, step.call.name, f"{type(e).__name__}: {e}")
+    def tell(self, failure: Failure, step=None) -> Failure:
+        """Names ``step``'s kernel by its first result."""
         outside_ids, made = self.ids
         first = step.outs[0] if step.outs else None
         key = 0 if first is None else made[first] if first >= 0 else outside_ids[-1 - first]
-        self.host.send(P.KernelError(P.KERNEL_ERROR, *error, key))
-        return error
+        tell(self.host, failure, key)
+        return failure
 
     def _store(self, step, result, values) -> None:
-        """``step``'s results (a Failed: each of them carries its error) into ``values`` and
-        the blobs that hold them; then the temporaries it read last are dropped."""
-        if type(result) is Failed:
+        """``step``'s results (a Failure: each of them carries it) into ``values`` and the
+        blobs that hold them; then the temporaries it read last are dropped."""
+        if type(result) is Failure:
             results = [result] * len(step.outs)
         elif len(step.outs) == 1:
             results = (result,)
@@ -324,8 +292,8 @@ class ProgramRun:
             else:
                 blob = outside[-1 - ref]  # written in place
             if blob is not None:
-                if type(value) is Failed:
-                    blob.error = value.error
+                if type(value) is Failure:
+                    blob.error = value
                 else:
                     blob.hold(value)
         for ref in step.frees:

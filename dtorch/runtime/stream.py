@@ -78,11 +78,11 @@ class Memory:
 
 
 class Blob:
-    """A tensor a device holds (or the error that prevented it). Kernels hold the Blob objects
-    they use, so dropping a Blob from the device's table frees the memory only once the last
-    queued kernel using it has run. ``memory``: the device's Memory, which counts the tensor
-    from ``hold`` until the blob goes (None: not counted). ``view``: its tensor is (or would
-    have been) a view of another blob's storage."""
+    """A tensor a device holds (or the ``failures.Failure`` that prevented it, in ``error``).
+    Kernels hold the Blob objects they use, so dropping a Blob from the device's table frees the
+    memory only once the last queued kernel using it has run. ``memory``: the device's Memory,
+    which counts the tensor from ``hold`` until the blob goes (None: not counted). ``view``: its
+    tensor is (or would have been) a view of another blob's storage."""
 
     __slots__ = ("tensor", "error", "spec", "memory", "_held", "view")
 
@@ -93,8 +93,8 @@ class Blob:
     def overwritable(self, ctx):
         """The tensor an OVERWRITES kernel (``protocol.OVERWRITES``: it writes every element
         of its operand 0 and reads none) writes into when this blob, its operand 0, carries a
-        failure; None where the failure must go on (the kernel does not run). The one rule
-        for both the kernel loop (``host.KernelRun``) and replays (``program.ProgramRun``):
+        failure; None where the failure must go on (the kernel does not run). The one rule,
+        which the step runner of kernels and replays applies (``execute.Runner.run_step``):
         the storage the blob has (an in-place kernel failed on it, leaving it); a fresh block
         where it has none and is no view (a result never made); none for a view never made,
         whose writes could not reach the base whose storage it was to share. The kernel's
@@ -159,9 +159,9 @@ class Event:
 class Recorder:
     """The kernels a host's streams ran while tracing (``dtorch.profiler``): one
     ``(name, device, stream, start_ns, end_ns, site)`` per item with a ``trace_name`` (a
-    KernelRun; ``site``: the client's index of the user's line that issued its last kernel).
-    The span starts once the kernel's waits are over, so it is the stream's busy time, not its
-    idle time. Stream threads append (atomic under the GIL); nothing is locked."""
+    KernelRun or ProgramRun; ``site``: the client's index of the user's line that issued its
+    last kernel). The span starts once the kernel's waits are over, so it is the stream's busy
+    time, not its idle time. Stream threads append (atomic under the GIL); nothing is locked."""
 
     __slots__ = ("events",)
 
