@@ -16,7 +16,7 @@ Threads. Any number of the user's threads may issue at once. A record is appende
 that defines it is in the buffer (``_define_lock``: call templates, specs, meshes; a call
 site's index is taken under a lock of its own, ``client/sites.py``),
 so a record never reaches the controller before the definitions it uses. Each record names its
-thread's graph (``client/graph.per_thread``). Each zmq socket is used by one thread only, as zmq
+thread's graph (``current.per_thread``). Each zmq socket is used by one thread only, as zmq
 requires: the sender thread alone sends (``flush`` hands it the frames, in order), the receiver
 thread alone receives. Flow control:
 every ``max_inflight_ops / MARKS`` records the client sends a *mark* (a sync that raises

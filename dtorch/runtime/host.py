@@ -31,9 +31,9 @@ import torch
 import zmq
 from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 
-from .. import config, protocol as P
+from .. import config, kernels, protocol as P  # noqa: F401  (importing kernels registers them)
 from ..cluster import auth, local
-from ..ops import registry  # importing ops registers every operator's kernel
+from ..ops import registry
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS, hop, is_hop
 from . import cpu_memory
