@@ -109,15 +109,26 @@ def _no_session():
                        "session (import dtorch first)")
 
 
+def _no_running_session():
+    return None  # no client plugged in: no session runs
+
+
 _session: Callable = _no_session
+_running: Callable = _no_running_session
 
 
-def plug_session(current: Callable) -> None:
-    """``current()``: the running session, started on first use (the client's)."""
-    global _session
-    _session = current
+def plug_session(current: Callable, running: Callable) -> None:
+    """The client's ``current()`` (the running session, started on first use) and
+    ``running()`` (the running session, or None: starts nothing)."""
+    global _session, _running
+    _session, _running = current, running
 
 
 def session():
     """The running session (started on first use): an opaque handle."""
     return _session()
+
+
+def running_session():
+    """The running session, or None when none runs; starts nothing."""
+    return _running()

@@ -15,10 +15,11 @@ import dtorch
 import dtorch.nn.functional as F
 from dtorch import Shard, config
 from dtorch.client import session
-from dtorch.cluster import local, main_node
+from dtorch.cluster import main_node
 from dtorch.cluster.main_node import MainNode
 from dtorch.cuda import nvtx, nvtx_kernels
 from dtorch.global_option import GlobalOption
+from dtorch.launcher import local
 
 
 def host_events(x, name):

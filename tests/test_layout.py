@@ -2,8 +2,8 @@
 the declared dependencies are enough to run the quickstart.
 
 Roles: the client (``dtorch/__init__.py``, ``client/``) may import anything; the controller,
-the hosts and the launcher (``controller/``, ``runtime/``, ``cluster/local.py`` and
-``cluster/auth.py``) never import the client; ``tensor.py`` (the symbol) and ``ops/`` (registry entries, whose kernels the hosts run)
+the hosts and the launcher (``controller/``, ``runtime/``, ``launcher/local.py`` and
+``launcher/auth.py``) never import the client; ``tensor.py`` (the symbol) and ``ops/`` (registry entries, whose kernels the hosts run)
 import no client module when they load: a front imports client state only when it is called.
 """
 
@@ -79,9 +79,7 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-# (``dtorch.cluster`` also holds the user's cluster API: only its launcher is a runtime role)
-RUNTIME_ROLES = ("dtorch.controller", "dtorch.runtime", "dtorch.cluster.local",
-                 "dtorch.cluster.auth")
+RUNTIME_ROLES = ("dtorch.controller", "dtorch.runtime", "dtorch.launcher")
 CLIENT = ("dtorch.client",)
 
 
@@ -95,11 +93,21 @@ def test_runtime_roles_never_import_the_client():
     assert {m: d for m, d in bad.items() if d} == {}
 
 
-def test_symbol_and_registry_load_without_the_client():
-    bad = {m: sorted(d for d in deps if _is(d, CLIENT) or d == "dtorch")
-           for m, deps in graph(top_level_only=True).items()
-           if m == "dtorch.tensor" or _is(m, ("dtorch.ops",))}
+def test_the_launcher_never_imports_the_users_cluster_api():
+    bad = {m: sorted(d for d in deps if _is(d, ("dtorch.cluster",)))
+           for m, deps in graph(top_level_only=False).items() if _is(m, ("dtorch.launcher",))}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_symbol_registry_and_context_never_import_the_client():
+    bad = {m: sorted(d for d in deps if _is(d, CLIENT) or d == "dtorch")
+           for m, deps in graph(top_level_only=False).items()
+           if m in ("dtorch.tensor", "dtorch.current") or _is(m, ("dtorch.ops",))}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_context_imports_no_layer_above_it():
+    assert imports(MODULES["dtorch.current"], False) <= {"dtorch.mesh"}
 
 
 def test_tensor_is_the_symbol_only():

@@ -32,7 +32,7 @@ import zmq
 from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 
 from .. import config, kernels, protocol as P  # noqa: F401  (importing kernels registers them)
-from ..cluster import auth, local
+from ..launcher import auth, local
 from ..ops import registry
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS, hop, is_hop
@@ -369,7 +369,7 @@ class Host:
         """A new client of the rendezvous store. Each device needs its own: a client blocks
         while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
         if self._store_relay:  # the cluster's store, through this machine's node agent
-            from ..cluster import store as cluster_store
+            from ..launcher import store as cluster_store
 
             return cluster_store.connect(self._store_relay, self._keys, self.ctx,
                                          config.collective_timeout_s)
