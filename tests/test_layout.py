@@ -126,6 +126,20 @@ def test_a_host_process_loads_no_client_module():
     assert [m for m in loaded if _is(m, CLIENT)] == []
 
 
+def _registered(code: str) -> list:
+    code += "; from dtorch.ops.registry import REGISTRY; print(sorted(REGISTRY))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def test_a_host_registers_every_kernel_the_client_does():
+    """The host's one list of kernel modules (``dtorch/kernels.py``) is the client's registry."""
+    host = _registered("import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [%r]; "
+                       "sys.modules['dtorch'] = p; import dtorch.runtime.host" % str(PACKAGE))
+    assert host == _registered("import dtorch")
+
+
 # -- declared dependencies --------------------------------------------------------------------
 
 
