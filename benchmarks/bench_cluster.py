@@ -26,7 +26,7 @@ import time
 import torch
 
 import dtorch
-from dtorch.cluster import auth, node
+from dtorch.launcher import auth, node
 
 NUMEL = 4 * 1024 * 1024  # 16 MB of float32
 ITERS = int(os.environ.get("BENCH_ITERS", "10"))

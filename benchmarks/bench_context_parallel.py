@@ -2,7 +2,7 @@
 one device, causal, float32.
 
 Each ring member is a process of its own on a gloo group (``baseline.run_on_gloo_ranks``) that
-runs the ring kernel's math, ``dtorch.ops.attention.ring_attention`` (the causal balance,
+runs the ring kernel's math, ``dtorch.ops.context_parallel.ring_attention`` (the causal balance,
 the ring, the online softmax), on its block: its query, key and value blocks are made in the process (never the whole sequence), so
 what it holds is what a device of dtorch's ring holds. torch's attention on the whole inputs
 runs in a process of its own too. Peak memory is the process's resident high-water mark
@@ -62,7 +62,7 @@ def _blocks(length: int, rank: int, seed: int = 0):
 def ring_member(rank: int, length: int):
     import torch.distributed as dist
 
-    from dtorch.ops.attention import ring_attention
+    from dtorch.ops.context_parallel import ring_attention
     from dtorch.placement import chunk_range
 
     torch.set_num_threads(1)

@@ -20,20 +20,20 @@ import sys
 
 import torch as _torch
 
-from . import config, ops  # noqa: F401  (ops registers every operator)
+from . import config, kernels, ops  # noqa: F401  (kernels registers every kernel)
 from . import autograd, cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
 from .autograd import enable_grad, inference_mode, no_grad, set_grad_enabled  # noqa: F401
 from .client import frontend as _frontend
-from .client.graph import default_graph, get_default_device_mesh
 from .client.session import shutdown
 from .cluster.main_node import MainNode
 from .future import TensorFuture
 from .global_option import GlobalOption
-from .graph import Graph, GraphOption, VoidFutureCollect
+from .graph import Graph, GraphOption, VoidFutureCollect, default_graph, get_default_device_mesh
 from .memory_stats import MemoryStat, MemoryStats
 from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
 from .ops.creation import manual_seed
-from .ops.extension import local_map, register_op
+from .client.user_ops import register_op
+from .ops.extension import local_map
 from .placement import Partial, Placement, Replicate, Shard
 from .tensor import TYPED, Tensor, get_data_type_tensor
 from . import tensor as _tensor_module

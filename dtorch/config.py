@@ -41,11 +41,11 @@ changed for a scope with ``with dtorch.config.override(debug=1): ...``.
   cache), so a later program with the same stretches does not compile them again.
 - read_split_min (DTORCH_READ_SPLIT_MIN): the fewest bytes each thread of a split checkpoint
   read gets: a host splits a read of at least twice this over its torch threads
-  (``ops/checkpoint.py``; copying from the page cache is memory-bound, one thread does not
+  (``checkpoint/kernels.py``; copying from the page cache is memory-bound, one thread does not
   saturate it). 8 MiB by default.
 - bucket_bytes (DTORCH_BUCKET_BYTES): the bytes of tensors on their way to one layout (the
   backward's gradients into ``.grad``, ZeRO's updated chunks back into the parameters) that
-  fill a bucket, which then goes at once as one coalesced collective (``ops/coalesced.py``):
+  fill a bucket, which then goes at once as one coalesced collective (``buckets.py``):
   small tensors share one collective's latency, and a full bucket's collective runs while the
   work after it computes. Read by the client as each tensor joins a bucket. 4 MiB by default.
 

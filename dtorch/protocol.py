@@ -1,7 +1,7 @@
 """The whole wire vocabulary between client, controller and hosts, in one place.
 
 Every socket is authenticated and encrypted (ZeroMQ CURVE, keys per runtime; see
-``cluster/auth.py``), so every frame comes from a process of this runtime.
+``launcher/auth.py``), so every frame comes from a process of this runtime.
 
 Every message is a tuple whose first field is its tag; batches are msgpack lists of records, sent
 as one frame. Nothing is ever pickled. The hot records stay small and flat: an operator is
@@ -20,13 +20,13 @@ Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait wh
     for other streams), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
 Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
-Many machines (``cluster/node.py``, ``cluster/machines.py``): a node agent joins the main
+Many machines (``launcher/node.py``, ``launcher/machines.py``): a node agent joins the main
 controller with NodeJoin and is answered NodeWelcome (its machine index and first device id);
 once its hosts are up it sends NodeReady, and from then on receives every batch (one copy per
 machine) as ``[NODE_BATCH, batch]`` and control messages (NodeWelcome, NodeBeat, NodeBye,
 StoreReply) as ``[NODE_CONTROL, record]``. Upstream it sends its hosts' messages as they are
 (a SYNCED only once all its hosts have synced), NodeBeat, NodeFailure, and its hosts'
-StoreRequests (the rendezvous store is the main controller's, ``cluster/store.py``). The client
+StoreRequests (the rendezvous store is the main controller's, ``launcher/store.py``). The client
 asks the controller about the cluster with a ClusterQuery record in its batch, answered with
 ClusterInfo on a socket of its own (``cluster/main_node.py``).
 Tracing (``dtorch.profiler``): the client's Trace record travels with the batch to every host,
@@ -259,7 +259,7 @@ class Welcome(NamedTuple):
     tag: int
     store_path: str  # the FileStore that process groups rendezvous through
     # on a machine of a cluster: the node agent's endpoint that relays the cluster's
-    # rendezvous store (``cluster/store.py``); store_path is then unused
+    # rendezvous store (``launcher/store.py``); store_path is then unused
     store_relay: str = ""
 
 
@@ -337,7 +337,7 @@ class NodeBye(NamedTuple):
 
 
 class StoreRequest(NamedTuple):
-    """One call on the cluster's rendezvous store (``cluster/store.py``): ``op`` is a torch
+    """One call on the cluster's rendezvous store (``launcher/store.py``): ``op`` is a torch
     Store method name, ``args`` its arguments."""
 
     tag: int

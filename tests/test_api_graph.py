@@ -13,7 +13,7 @@ import torch
 
 import dtorch
 from dtorch import Shard
-from dtorch.client.graph import current_graph
+from dtorch.current import current_graph
 from dtorch.future import TensorFuture
 from dtorch.graph import Graph, GraphOption, VoidFutureCollect
 from dtorch.memory_stats import MemoryStat, MemoryStats

@@ -15,17 +15,17 @@ import dtorch
 import dtorch.nn.functional as F
 from dtorch import Shard, config
 from dtorch.client import session
-from dtorch.cluster import local, main_node
+from dtorch.cluster import main_node
 from dtorch.cluster.main_node import MainNode
-from dtorch.cuda import nvtx
+from dtorch.cuda import nvtx, nvtx_kernels
 from dtorch.global_option import GlobalOption
-from dtorch.ops import system
+from dtorch.launcher import local
 
 
 def host_events(x, name):
     """(A local_map kernel.) How many pushes, pops and marks named ``name`` this host process
     has run so far, on any of its devices."""
-    kinds = [kind for message, kind, _, _ in system.EVENTS if message == name]
+    kinds = [kind for message, kind, _, _ in nvtx_kernels.EVENTS if message == name]
     counts = [kinds.count("push"), kinds.count("pop"), kinds.count("mark")]
     return torch.tensor(counts, dtype=torch.int64, device=x.device)
 

@@ -184,7 +184,7 @@ def test_gradients_fill_a_bucket_to_its_size(grad_placements, kind, extra, colle
 def test_gradient_through_a_coalesced_all_reduce(grid):
     """``all_reduce_coalesced`` differentiates through its collective: the results are the
     operands' values, so their gradients come back whole (the same all-reduce, backwards)."""
-    from dtorch.ops.coalesced import all_reduce_coalesced
+    from dtorch.buckets import all_reduce_coalesced
 
     a, b, c = g(4, 6), g(5, seed=1), g(4, 6, seed=2)
     ts, ds = leaves([a, b], grid, [[P_, S1], [P_, R]])
@@ -214,7 +214,7 @@ def test_a_coalesced_reduce_scatter_and_all_gather_equal_torch(case, mesh3, grid
     tensor along its own dim, chunks as ``Shard`` cuts them (a chunk of 3 devices' 2 rows is
     empty); ``all_gather_coalesced`` makes them whole again. Both keep the values, so the
     gradients through both come back as torch's."""
-    from dtorch.ops.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+    from dtorch.buckets import all_gather_coalesced, reduce_scatter_coalesced
 
     mesh = mesh3 if case.startswith("1-D") else grid
     rows = SCATTERED[case]
@@ -238,7 +238,7 @@ def test_a_coalesced_reduce_scatter_and_all_gather_equal_torch(case, mesh3, grid
 
 
 def test_coalesced_collectives_refuse_what_they_cannot_join(grid):
-    from dtorch.ops.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+    from dtorch.buckets import all_gather_coalesced, reduce_scatter_coalesced
 
     a = dtorch.zeros((4, 6), device_mesh=grid, placements=[P_, S0])
     b = dtorch.zeros((4, 6), device_mesh=grid, placements=[R, S0])

@@ -279,7 +279,7 @@ def random_case(g: torch.Generator):
 @pytest.mark.parametrize("chunk", [1 << 20, 16])  # 16 bytes: rows one at a time, dims down
 @pytest.mark.parametrize("cast", [False, True])
 def test_read_region_matches_slicing(tmp_path, monkeypatch, chunk, cast):
-    from dtorch.ops import checkpoint as ops
+    from dtorch.checkpoint import kernels as ops
 
     monkeypatch.setattr(ops, "READ_CHUNK", chunk)
     g = torch.Generator().manual_seed(chunk + cast)
@@ -306,7 +306,7 @@ def test_read_region_matches_slicing(tmp_path, monkeypatch, chunk, cast):
 def test_a_read_splits_at_twice_read_split_min(tmp_path, monkeypatch, nbytes, parts):
     """With read_split_min = 4096 and two threads a read of 8188 bytes is one pread, one of
     8192 two (each from the readers' pool); the values are the same."""
-    from dtorch.ops import checkpoint as ops
+    from dtorch.checkpoint import kernels as ops
 
     stored = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(0))
     path = str(tmp_path / "x.safetensors")

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 import dtorch
+from dtorch.checkpoint import kernels as ops
 from dtorch.checkpoint import load_checkpoint
-from dtorch.ops import checkpoint as ops
 
 SAVE_ID = "0123456789ab"
 RANK = f"rank00000-mesh0-{SAVE_ID}.safetensors"

@@ -31,7 +31,8 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.cluster import auth, main_node, node, slurm
+from dtorch.cluster import main_node
+from dtorch.launcher import auth, node, slurm
 from helpers import assert_close, distribute
 from processes import CLIENT_PRELUDE, alive, children, run_client, wait_until
 
@@ -183,7 +184,7 @@ def slurm_agent(cluster) -> tuple:
            "DTORCH_TOKEN_FILE": cluster.token}
     script = os.path.join(os.path.dirname(sys.executable), "dtorch")
     argv = [script, "node", "--cpu-devices", "2"] if os.path.exists(script) else \
-        [sys.executable, "-m", "dtorch.cluster.cli", "node", "--cpu-devices", "2"]
+        [sys.executable, "-m", "dtorch.launcher.cli", "node", "--cpu-devices", "2"]
     return argv, env
 
 

@@ -9,7 +9,7 @@ import torch
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.nn.functional import SdpaOption
-from dtorch.ops.attention import _visible, zigzag
+from dtorch.ops.context_parallel import _visible, zigzag
 from dtorch.placement import chunk_range
 from helpers import assert_within_torch_error
 

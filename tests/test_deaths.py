@@ -89,7 +89,7 @@ def test_a_host_killed_during_a_collective_is_named_in_the_first_error():
 # fetch fails with gloo's error), or for "agent0" the one with device 0.
 MACHINE_DEATHS = CLIENT_PRELUDE + """
 import subprocess, tempfile
-from dtorch.cluster import auth, node
+from dtorch.launcher import auth, node
 
 port, trials = int(sys.argv[1]), sys.argv[2].split(",")
 tmp = tempfile.mkdtemp(prefix="dtorch-deaths-")

@@ -11,11 +11,10 @@ import test_training as T
 import torch
 
 import dtorch
-from dtorch import Partial, Replicate, Shard
+from dtorch import Partial, Replicate, Shard, buckets
 from dtorch.client import dispatch
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.nn import fully_shard
-from dtorch.ops import coalesced
 from dtorch.redistribute import COMM_STEPS, plan_redistribute
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -69,8 +68,8 @@ def test_mlp_gradients_land_sharded_as_torch(layout, monkeypatch):
     moves, bind = [], dispatch.bind_redistribute
     monkeypatch.setattr(dispatch, "bind_redistribute",
                         lambda s, src, dst: moves.append((src, dst)) or bind(s, src, dst))
-    bucketed, scatter = [], coalesced.reduce_scatter_coalesced
-    monkeypatch.setattr(coalesced, "reduce_scatter_coalesced",
+    bucketed, scatter = [], buckets.reduce_scatter_coalesced
+    monkeypatch.setattr(buckets, "reduce_scatter_coalesced",
                         lambda ts, *a: bucketed.append(len(ts)) or scatter(ts, *a))
     loss.backward()
     monkeypatch.undo()

@@ -2,8 +2,8 @@
 the declared dependencies are enough to run the quickstart.
 
 Roles: the client (``dtorch/__init__.py``, ``client/``) may import anything; the controller,
-the hosts and the launcher (``controller/``, ``runtime/``, ``cluster/local.py`` and
-``cluster/auth.py``) never import the client; ``tensor.py`` (the symbol) and ``ops/`` (registry entries, whose kernels the hosts run)
+the hosts and the launcher (``controller/``, ``runtime/``, ``launcher/local.py`` and
+``launcher/auth.py``) never import the client; ``tensor.py`` (the symbol) and ``ops/`` (registry entries, whose kernels the hosts run)
 import no client module when they load: a front imports client state only when it is called.
 """
 
@@ -79,9 +79,7 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-# (``dtorch.cluster`` also holds the user's cluster API: only its launcher is a runtime role)
-RUNTIME_ROLES = ("dtorch.controller", "dtorch.runtime", "dtorch.cluster.local",
-                 "dtorch.cluster.auth")
+RUNTIME_ROLES = ("dtorch.controller", "dtorch.runtime", "dtorch.launcher")
 CLIENT = ("dtorch.client",)
 
 
@@ -95,11 +93,21 @@ def test_runtime_roles_never_import_the_client():
     assert {m: d for m, d in bad.items() if d} == {}
 
 
-def test_symbol_and_registry_load_without_the_client():
-    bad = {m: sorted(d for d in deps if _is(d, CLIENT) or d == "dtorch")
-           for m, deps in graph(top_level_only=True).items()
-           if m == "dtorch.tensor" or _is(m, ("dtorch.ops",))}
+def test_the_launcher_never_imports_the_users_cluster_api():
+    bad = {m: sorted(d for d in deps if _is(d, ("dtorch.cluster",)))
+           for m, deps in graph(top_level_only=False).items() if _is(m, ("dtorch.launcher",))}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_symbol_registry_and_context_never_import_the_client():
+    bad = {m: sorted(d for d in deps if _is(d, CLIENT) or d == "dtorch")
+           for m, deps in graph(top_level_only=False).items()
+           if m in ("dtorch.tensor", "dtorch.current") or _is(m, ("dtorch.ops",))}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_context_imports_no_layer_above_it():
+    assert imports(MODULES["dtorch.current"], False) <= {"dtorch.mesh"}
 
 
 def test_tensor_is_the_symbol_only():
@@ -116,6 +124,20 @@ def test_a_host_process_loads_no_client_module():
     loaded = ast.literal_eval(out.strip())
     assert "dtorch.runtime.host" in loaded
     assert [m for m in loaded if _is(m, CLIENT)] == []
+
+
+def _registered(code: str) -> list:
+    code += "; from dtorch.ops.registry import REGISTRY; print(sorted(REGISTRY))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def test_a_host_registers_every_kernel_the_client_does():
+    """The host's one list of kernel modules (``dtorch/kernels.py``) is the client's registry."""
+    host = _registered("import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [%r]; "
+                       "sys.modules['dtorch'] = p; import dtorch.runtime.host" % str(PACKAGE))
+    assert host == _registered("import dtorch")
 
 
 # -- declared dependencies --------------------------------------------------------------------

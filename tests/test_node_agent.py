@@ -15,8 +15,9 @@ import pytest
 
 import dtorch
 from dtorch import protocol as P
-from dtorch.cluster import auth, cli, main_node, node
-from dtorch.cluster.store import StoreServer
+from dtorch.cluster import main_node
+from dtorch.launcher import auth, cli, node, usage
+from dtorch.launcher.store import StoreServer
 from processes import wait_until
 
 
@@ -38,18 +39,18 @@ def test_a_token_file_is_private_and_checked(token, tmp_path):
 
 
 def test_binding_beyond_loopback_must_be_asked_for(token):
-    with pytest.raises(cli.UsageError, match="--bind"):
+    with pytest.raises(usage.UsageError, match="--bind"):
         node.settings(["--main", "10.0.0.1:13000", "--token-file", token], {})
     args = node.settings(["--main", "10.0.0.1:13000", "--token-file", token, "--bind",
                           "10.0.0.7"], {})
     assert args.bind == "10.0.0.7"
     assert node.settings(["--main", "127.0.0.1:13000", "--token-file", token], {}).bind == \
         "127.0.0.1"
-    with pytest.raises(cli.UsageError, match="--token-file"):
+    with pytest.raises(usage.UsageError, match="--token-file"):
         node.settings(["--main", "127.0.0.1:13000"], {})
-    with pytest.raises(cli.UsageError, match="IPv4:port"):
+    with pytest.raises(usage.UsageError, match="IPv4:port"):
         node.settings(["--main", "main-node:13000", "--token-file", token], {})
-    with pytest.raises(cli.UsageError, match="DTORCH_MAIN_NODE_ADDRESS 'main-node:1'"):
+    with pytest.raises(usage.UsageError, match="DTORCH_MAIN_NODE_ADDRESS 'main-node:1'"):
         node.settings(["--token-file", token], {"DTORCH_MAIN_NODE_ADDRESS": "main-node:1"})
 
 
@@ -77,7 +78,7 @@ BAD_COMMANDS = [  # (argv after ``dtorch``, what the one line must say)
 def test_bad_command_line_input_is_one_line_and_status_2(token, tmp_path, argv, says):
     """As argparse has it, for every kind of bad input: no traceback, no usage block."""
     argv = [a.format(token=token, missing=tmp_path / "missing") for a in argv]
-    proc = subprocess.run(cli.command(*argv), capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(usage.command(*argv), capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items()
                                if k not in ("DTORCH_MAIN_NODE_ADDRESS", "DTORCH_TOKEN_FILE")})
     assert proc.returncode == 2, proc.stderr
@@ -91,7 +92,7 @@ def test_bad_command_line_input_is_one_line_and_status_2(token, tmp_path, argv, 
 
 def test_a_good_token_command_writes_a_private_token(tmp_path):
     path = tmp_path / "token"
-    proc = subprocess.run(cli.command("token", path), capture_output=True, text=True,
+    proc = subprocess.run(usage.command("token", path), capture_output=True, text=True,
                           timeout=60)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert os.stat(path).st_mode & 0o077 == 0
@@ -131,14 +132,14 @@ def test_one_machine_cannot_wait_for_more(monkeypatch):
     """(A program that is no main node: the cluster tests' settings put aside, as they may run
     before this test or around it.)"""
     monkeypatch.setattr(main_node, "_address", None)
-    monkeypatch.delenv(main_node.ENV, raising=False)
+    monkeypatch.delenv(main_node.ADDRESS_ENV, raising=False)
     assert main_node.cluster_settings() is None
     with pytest.raises(RuntimeError, match="set_address"):
         dtorch.MainNode.wait_cluster_ready(2, timeout_second=1)
 
 
 class FakeMainNode:
-    """A main node's node socket (``cluster/machines.py``'s, served with ``keys``) at ``port``,
+    """A main node's node socket (``launcher/machines.py``'s, served with ``keys``) at ``port``,
     that welcomes nobody: it answers an agent's join with goodbye, which ends the agent's run."""
 
     def __init__(self, keys: auth.Keys, port: int):

@@ -37,7 +37,7 @@ import itertools
 import torch
 
 from ..client import session
-from ..ops.coalesced import Buckets, coalescing, laid_out
+from ..buckets import Buckets, coalescing, laid_out
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
 from ..protocol import COMM, RECORD, VJP_PREFIX, wire_bits
@@ -198,7 +198,7 @@ class Gather:
 
     def gather(self) -> list:
         """The parameters laid out as ``specs``: those that an all-gather on one mesh dim makes
-        whole go in one collective per bucket (``ops/coalesced.Buckets``), the others as
+        whole go in one collective per bucket (``buckets.Buckets``), the others as
         redistributes. Not recorded: the tape's nodes are ``gathered``'s."""
         out = [None] * len(self.params)
         buckets = Buckets(out.__setitem__)
@@ -363,7 +363,7 @@ def _gathers_read(node) -> set:
 def _land(buckets, leaf, g) -> None:
     """A leaf's final gradient, on its way into ``.grad`` laid out as ``_grad_spec``: the
     reductions that coalesce (a data-parallel weight's all-reduce, ZeRO-2/3's reduce-scatter)
-    wait in a bucket (``ops/coalesced.Buckets``), so small gradients pay one collective's
+    wait in a bucket (``buckets.Buckets``), so small gradients pay one collective's
     latency, not one each, and a full bucket's runs on the communication stream while the rest
     of the backward computes."""
     if leaf.requires_grad:

@@ -22,7 +22,14 @@ TP=4 or on one device.
 tensor([12., 13., 14.])
 """
 
-from .load import load_checkpoint
-from .save import save_checkpoint
+import importlib
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def __getattr__(name: str):
+    """The user's functions, loaded on first use: a host imports this package for its kernels
+    (``kernels.py``) only, and the functions' modules use ``dtorch.nn``, which is the client's."""
+    if name in __all__:
+        return getattr(importlib.import_module(f".{name.partition('_')[0]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

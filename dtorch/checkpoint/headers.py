@@ -19,7 +19,7 @@ import os
 import stat
 import struct
 
-from ..ops.checkpoint import DTYPES
+from .kernels import DTYPES
 
 MAX_HEADER = 100_000_000  # safetensors' own bound on a header
 

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.checkpoint import DTYPES
 from .headers import naturals, read_header, read_json
+from .kernels import DTYPES
 
 DTORCH_INDEX = "dtorch.index.json"
 HF_INDEX = "model.safetensors.index.json"

@@ -3,7 +3,7 @@ layout, with no full copy anywhere.
 
 For safetensors the client reads only headers and index files (``index.catalog``), matches keys
 to ``module.state_dict()`` and issues, per tensor, one ``read_safetensors_`` into the target
-itself: each device reads its own block from the file (``ops/checkpoint.py``). A host's memory
+itself: each device reads its own block from the file (``checkpoint/kernels.py``). A host's memory
 therefore grows by its blocks and a read buffer (at most ``READ_CHUNK``, 8 MiB), and the
 client's by the headers. A torch state dict (``.pt``/``.bin``) is read with
 ``torch.load(weights_only=True, mmap=True)`` and ``Module.load_state_dict``: torch's format
@@ -20,10 +20,10 @@ from tqdm.auto import tqdm
 
 from ..nn.modules.module import check_loaded, mismatch
 from ..nn.parameter import Parameter
-from ..ops.checkpoint import pack_pieces, read_block, read_into
 from ..tensor import Tensor
 from . import index
 from .headers import check_regular
+from .kernels import pack_pieces, read_block, read_into
 
 PROGRESS_DELAY_S = 2.0  # the bar shows only for loads longer than this (and on a terminal)
 PROGRESS_STEP = 64 << 20  # bytes between two readings of the hosts' progress

@@ -21,10 +21,10 @@ import os
 import msgpack
 import torch
 
-from ..ops.checkpoint import sync_directory, write_blocks, write_file, writes_block
 from ..placement import Partial, Replicate, local_region
 from ..tensor import Tensor
 from . import commit, index
+from .kernels import sync_directory, write_blocks, write_file, writes_block
 
 
 def save_checkpoint(module, path) -> str:

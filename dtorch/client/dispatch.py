@@ -15,6 +15,7 @@ import torch
 
 from .. import protocol as P
 from ..autograd import tape
+from ..current import current_graph, per_thread
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import COMM, INPLACE, freeze, lookup
@@ -23,7 +24,6 @@ from ..placement import Replicate, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor, symbol
 from . import session as _session
-from .graph import current_graph, per_thread
 
 _REPLICATE = Replicate()
 _OP = P.OP

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .. import autograd
+from .. import autograd, current
 from ..ops.creation import size_arg
 from ..ops.registry import REGISTRY, plug_dispatch
 from . import session
@@ -103,6 +103,7 @@ def install(module, functional, tensor_cls) -> None:
     global _targets
     _targets = (module, functional, tensor_cls)
     plug_dispatch(dispatch)
+    current.plug_session(session.current, session.running)
     for op in REGISTRY.values():
         place(op, op.front or generate(op), module, functional, tensor_cls)
     for name, fn in RUNTIME_METHODS.items():

@@ -5,7 +5,7 @@ frame (on a sync point, when it grows past ``flush_records``, and shortly after 
 of a batch so a device never starves while the user's code runs on), and runs a receiver thread
 that completes TensorFutures, collects kernel errors and watches the controller's heartbeat.
 The controller process is started on first use and dies with this process (see
-``cluster/local.py``); its sockets admit only this runtime's processes (``cluster/auth.py``).
+``launcher/local.py``); its sockets admit only this runtime's processes (``launcher/auth.py``).
 
 Nothing the user issued is lost: a batch taken from the buffer is always sent (Ctrl-C waits for
 that), a record that cannot be serialized is taken out and reported at the user's next call with
@@ -16,7 +16,7 @@ Threads. Any number of the user's threads may issue at once. A record is appende
 that defines it is in the buffer (``_define_lock``: call templates, specs, meshes; a call
 site's index is taken under a lock of its own, ``client/sites.py``),
 so a record never reaches the controller before the definitions it uses. Each record names its
-thread's graph (``client/graph.per_thread``). Each zmq socket is used by one thread only, as zmq
+thread's graph (``current.per_thread``). Each zmq socket is used by one thread only, as zmq
 requires: the sender thread alone sends (``flush`` hands it the frames, in order), the receiver
 thread alone receives. Flow control:
 every ``max_inflight_ops / MARKS`` records the client sends a *mark* (a sync that raises
@@ -42,7 +42,8 @@ import zmq
 import zmq.utils.garbage  # (see _send_frames: imported before atexit.register below)
 
 from .. import config, protocol as P
-from ..cluster import auth, local
+from ..cluster import main_node
+from ..launcher import auth, local
 from ..future import TensorFuture
 from .receiving import Receiving
 from .sites import CallSites
@@ -67,6 +68,12 @@ def current() -> Session:
     if s.alarm:
         s.raise_alarm()
     return s
+
+
+def running() -> Session | None:
+    """The running session, or None; starts nothing."""
+    s = _current
+    return s if s is not None and not s.closed else None
 
 
 def _start() -> Session:
@@ -165,7 +172,7 @@ class Session(Receiving):
         # from a __del__ that a garbage collection runs anywhere, inside another put too (an
         # Event's set takes a lock of its own, and deadlocked there)
         self._wake: queue.SimpleQueue = queue.SimpleQueue()
-        self.keys = keys = auth.Keys.generate()  # this runtime's (see cluster/auth.py)
+        self.keys = keys = auth.Keys.generate()  # this runtime's (see launcher/auth.py)
         self.ctx = zmq.Context()
         self._gatekeeper = auth.Gatekeeper(self.ctx, keys)
         self.ops = self.ctx.socket(zmq.PUSH)
@@ -174,7 +181,9 @@ class Session(Receiving):
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
         results_addr = _bind(self.results, keys)
-        self.controller = local.start_controller(ops_addr, results_addr, keys)
+        # the cluster's settings, checked here: a bad token file raises at the user's call
+        self.controller = local.start_controller(ops_addr, results_addr, keys,
+                                                 main_node.cluster_settings())
         # torch imports its meta kernels (hundreds of modules, about a second) on first use;
         # do that while the controller starts rather than at the user's first operator
         # (not a daemon: one still inside torch's import when the interpreter exits aborts it)

@@ -1,6 +1,10 @@
-"""Launching the runtime's processes and keeping their lifetimes tied together: on one machine
-(``local.py``) and on many (``node.py``, the agent each machine runs; ``machines.py``, the main
-node's side; launchers ``slurm.py`` and ``ray.py``). ``devices()`` lists the cluster's devices."""
+"""The user's side of a cluster: this program as its main node (``main_node.py``: ``MainNode``),
+node agents started through Ray (``ray.py``), and ``devices()``, the cluster's devices.
+
+The runtime's side, which starts and ties together the processes (on one machine and on many:
+the node agents, the ``dtorch`` command, SLURM's defaults), is ``dtorch/launcher/``; it takes
+this side's decisions as a value (``launcher/settings.ClusterSettings``) and imports nothing
+from here."""
 
 
 def devices() -> list:

@@ -5,7 +5,7 @@ their sockets bound to ``config.bind_host`` (loopback unless ``DTORCH_BIND_HOST`
 otherwise). A program becomes a cluster's main node when it is given an address before the
 runtime starts (``set_address``, else ``DTORCH_MAIN_NODE_ADDRESS``) and a token file
 (``set_token_file``, else ``DTORCH_TOKEN_FILE``; ``dtorch token FILE`` makes one): its
-controller then listens there for node agents holding that token (``cluster/machines.py``), one
+controller then listens there for node agents holding that token (``launcher/machines.py``), one
 per machine (``dtorch node``, ``docs/cluster.md``), and runs no host of its own (run an agent on
 the main machine too to use its devices).
 
@@ -26,7 +26,6 @@ the answers come back on a socket of this module's, which admits only the runtim
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import time
@@ -34,20 +33,14 @@ from typing import NamedTuple
 
 import zmq
 
-from .. import config, protocol as P
-from . import auth
-
-ENV = "DTORCH_MAIN_NODE_ADDRESS"
-TOKEN_ENV = "DTORCH_TOKEN_FILE"
+from .. import config, current, protocol as P
+from ..launcher import auth
+from ..launcher.settings import (ADDRESS_ENV, TOKEN_ENV, ClusterSettings, check_address,
+                                 settings)
 ANSWER_GRACE_S = 10.0  # how much longer than its own timeout a query may take to be answered
 _address = None  # set_address's, checked
 _token_file = None  # set_token_file's
 _asker = None  # (session, context, reply socket, its address): see _ask
-
-
-class ClusterSettings(NamedTuple):
-    address: str  # where the main controller listens for node agents
-    token_file: str
 
 
 class ClusterDevice(NamedTuple):
@@ -60,46 +53,25 @@ class ClusterDevice(NamedTuple):
     address: str  # where its collectives listen
 
 
-def check_address(address, source: str = "the address") -> str:
-    """``address`` if it is ``IPv4:port`` (DTorch's form; a hostname is not one), else
-    ``ValueError`` naming ``source``."""
-    if not isinstance(address, str):
-        raise TypeError(f"{source} must be a str 'IPv4:port', not {type(address).__name__}")
-    ip, sep, port = address.rpartition(":")
-    try:
-        ipaddress.IPv4Address(ip)
-        ok = bool(sep) and port.isdigit() and 0 < int(port) < 65536
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{source} {address!r} is not 'IPv4:port' (e.g. '10.0.0.1:13000'; "
-                         f"hostnames are not accepted)")
-    return address
-
-
 def cluster_settings() -> ClusterSettings | None:
-    """The main node's settings when this program is a cluster's main node (None on one
-    machine). A missing or unsafe token raises, naming the fix, at the call that starts the
-    runtime."""
-    address = _address
-    if address is None and os.environ.get(ENV):
-        address = check_address(os.environ[ENV], ENV)
-    if address is None:
-        return None
-    token = _token_file or os.environ.get(TOKEN_ENV)
-    if not token:
-        raise ValueError(f"the main node at {address} needs a token file, which its node agents "
-                         f"hold too: MainNode.set_token_file(path) or {TOKEN_ENV}=path "
-                         f"(`dtorch token path` makes one)")
-    auth.read_token(token)
-    return ClusterSettings(address, os.path.abspath(token))
+    """The settings this program launches its runtime with: a cluster's main node's (None on
+    one machine). A missing or unsafe token raises, naming the fix, at the call that starts
+    the runtime."""
+    return settings(_address, _token_file)
+
+
+def is_main_node() -> bool:
+    """Whether an address was given (``set_address``, else the variable): the runtime then
+    starts as a cluster's main node."""
+    return _address is not None or bool(os.environ.get(ADDRESS_ENV))
+
+
+def has_token_file() -> bool:
+    return bool(_token_file or os.environ.get(TOKEN_ENV))
 
 
 def _runtime_started() -> bool:
-    from ..client import session  # only when asked: importing this module starts nothing
-
-    s = session._current
-    return s is not None and not s.closed
+    return current.running_session() is not None
 
 
 class MainNode:
@@ -132,8 +104,8 @@ class MainNode:
         ``<config.bind_host>:0`` (the address this machine's runtime binds to; any port)."""
         if _address is not None:
             return _address
-        if os.environ.get(ENV):
-            return check_address(os.environ[ENV], ENV)
+        if os.environ.get(ADDRESS_ENV):
+            return check_address(os.environ[ADDRESS_ENV], ADDRESS_ENV)
         return f"{config.bind_host}:0"
 
     @staticmethod
@@ -149,7 +121,7 @@ class MainNode:
             raise RuntimeError(
                 f"MainNode.wait_cluster_ready({num_nodes}): this program is not a cluster's main "
                 f"node, so no machine can join it: call MainNode.set_address('IPv4:port') and "
-                f"MainNode.set_token_file(path) (or set {ENV} and {TOKEN_ENV}) before the "
+                f"MainNode.set_token_file(path) (or set {ADDRESS_ENV} and {TOKEN_ENV}) before the "
                 f"runtime starts, and run `dtorch node` on each machine (docs/cluster.md)")
         return len(_ask(num_nodes, timeout_second)) >= num_nodes
 
@@ -178,9 +150,7 @@ def devices() -> list:
 def _ask(min_nodes: int, timeout_s: float) -> list:
     """The ready machines (``protocol.Machine``), once at least ``min_nodes`` are or
     ``timeout_s`` has passed. Raises if the runtime fails meanwhile."""
-    from ..client import session
-
-    s = session.current()
+    s = current.session()
     reply, address = _reply_socket(s)
     request = next(s.requests)
     s.append(P.ClusterQuery(P.CLUSTER_QUERY, request, address, min_nodes, float(timeout_s)))

@@ -2,7 +2,7 @@
 
 ``start(num_nodes, cpu_devices_per_node)`` (``pip install dtorch[ray]``) reserves one bundle on
 each of ``num_nodes`` distinct nodes (a STRICT_SPREAD placement group, so two agents never share
-a machine), starts a node agent actor in each (``cluster/node.py``: the agent runs on a thread
+a machine), starts a node agent actor in each (``launcher/node.py``: the agent runs on a thread
 of the actor, and its hosts are the actor's children, so they end with it), and returns once all
 have joined this program, the main node. Unless the program set them, the main node's address
 is this node's Ray address at a free port and the token a new one, handed to the actors through
@@ -23,7 +23,8 @@ import tempfile
 import threading
 
 from .. import config
-from . import auth, main_node, node
+from ..launcher import auth, node
+from . import main_node
 from .main_node import MainNode, cluster_settings
 
 
@@ -78,12 +79,12 @@ def start(num_nodes: int, cpu_devices_per_node: int | None = None,
     if not ray.is_initialized():
         ray.init()
     token_dir = None
-    if main_node._address is None and not os.environ.get(main_node.ENV):
+    if not main_node.is_main_node():
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         MainNode.set_address(f"{ray.util.get_node_ip_address()}:{port}")
-    if not (main_node._token_file or os.environ.get(main_node.TOKEN_ENV)):
+    if not main_node.has_token_file():
         token_dir = tempfile.mkdtemp(prefix="dtorch-ray-")
         auth.write_token(os.path.join(token_dir, "token"))
         MainNode.set_token_file(os.path.join(token_dir, "token"))

@@ -2,23 +2,23 @@
 
 One loop polls three things: the client's batches, the hosts' messages (forwarded to the client,
 except sync acknowledgements, which it gathers), and the hosts' life pipes, which carry their
-heartbeats (see ``cluster/local.py``). A host that exits, or stays silent for
+heartbeats (see ``launcher/local.py``). A host that exits, or stays silent for
 ``config.heartbeat_timeout_s`` (then it is killed), ends the runtime with a Fatal error to the
 client instead of a hang; a collective's failure that a death may be behind waits for it
 (``controller/reports.py``), so that the client's first error names the death. Hosts start when
 a mesh first names one of their devices, and each receives every batch: it runs the records that
 touch its devices, so the controller's cost does not grow with the device count.
 
-Every socket is authenticated (``cluster/auth.py``). The process groups' rendezvous store is a
+Every socket is authenticated (``launcher/auth.py``). The process groups' rendezvous store is a
 file in a directory only this user can enter, not a network port: on one machine no other user
 can read or write it.
 
 The main node of a cluster (``--node-address``) starts no host of its own: node agents join it
-(``cluster/machines.py``), each relaying every batch to its machine's hosts, and the controller
+(``launcher/machines.py``), each relaying every batch to its machine's hosts, and the controller
 treats each ready machine as one more peer: it gets one copy of each batch, its sync
 acknowledgement counts once, its hosts' messages reach the client as local hosts' do, and its
 failure or silence fails the runtime naming the machine. The rendezvous store is then a table
-here that the hosts reach through their agents (``cluster/store.py``).
+here that the hosts reach through their agents (``launcher/store.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import traceback
 import zmq
 
 from .. import config, protocol as P
-from ..cluster import auth, local
-from ..cluster.machines import Machine, Machines
+from ..launcher import auth, local
+from ..launcher.machines import JoinedAgent, Machines
 from .graph import LogicalGraph, Operator
 from .dot import to_dot
 from .passes import PASSES, Chain, StreamState
@@ -107,7 +107,7 @@ class Controller:
         self.graph_dir = config.graph_dir  # where each batch's graph goes (DOT), or None
         self.graphs_written = 0
         self.running = True
-        self.machines = None  # a cluster's main node: the node agents (cluster/machines.py)
+        self.machines = None  # a cluster's main node: the node agents (launcher/machines.py)
         if node_address is not None:
             self.machines = Machines(self.ctx, self.gatekeeper, node_address, cluster_keys, keys)
             self.poller.register(self.machines.sock, zmq.POLLIN)
@@ -271,7 +271,7 @@ class Controller:
         """A frame to one host or machine. A send to a host whose connection has closed fails:
         that host has died or is dying, and its death (its pipe closes soon after) is what to
         report."""
-        if isinstance(host, Machine):
+        if isinstance(host, JoinedAgent):
             if not self.machines.send(host, P.NODE_BATCH, frame):
                 self.on_peer_death(host, host.describe_closed())
             return
@@ -474,7 +474,7 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--results", required=True)
     parser.add_argument("--cpu-hosts", type=int, required=True)
     parser.add_argument("--node-address")  # a cluster's main node: node agents join here
-    parser.add_argument("--token-file")  # the cluster's keys (cluster/auth.py)
+    parser.add_argument("--token-file")  # the cluster's keys (launcher/auth.py)
     args = parser.parse_args(argv)
     config.cpu_hosts = args.cpu_hosts
     cluster_keys = auth.read_token(args.token_file) if args.node_address else None

@@ -1,12 +1,12 @@
 """NVTX ranges and marks, ordered with the operators the program issues (DTorch's
 ``dtorch.cuda.nvtx``).
 
-A range is two operators (``_nvtx_range_push``, ``_nvtx_range_pop`` of ``ops/system.py``) that
+A range is two operators (``_nvtx_range_push``, ``_nvtx_range_pop`` of ``cuda/nvtx_kernels.py``) that
 run on every device of the graph's default mesh (``Graph.device_mesh_guard``; else the
 one-device CPU mesh), on the graph's compute stream, between the kernels issued before and after
 them. On a CUDA device they call ``torch.cuda.nvtx``, so Nsight shows each range around the
 kernels issued inside it; on every device they also append an event to the host process's record
-(``ops/system.EVENTS``), so CPU meshes keep them for a timeline too. Collectives run on each
+(``cuda/nvtx_kernels.EVENTS``), so CPU meshes keep them for a timeline too. Collectives run on each
 device's communication stream: a range brackets them only where they wait for work of its graph.
 
 The client keeps its own record: every closed range and every mark, with the client's
@@ -30,8 +30,9 @@ import functools
 import time
 from typing import NamedTuple
 
-from ..client.graph import Graph
-from ..ops import system
+from .. import current
+from ..graph import Graph
+from . import nvtx_kernels as system
 
 
 class Range(NamedTuple):
@@ -64,7 +65,7 @@ def range_pop(graph: Graph | None = None) -> int:
     """Closes the innermost range open on ``graph`` (on the devices its push ran on) and
     returns its depth. With none open: ``RuntimeError``, before anything is sent."""
     system.check_graph("dtorch.cuda.nvtx.range_pop", graph)
-    gid = (system.current_graph() if graph is None else graph).id
+    gid = (current.current_graph() if graph is None else graph).id
     stack = _open.get(gid)
     if not stack:
         raise RuntimeError(f"dtorch.cuda.nvtx.range_pop: no range is open on graph {gid}; "

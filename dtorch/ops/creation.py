@@ -28,6 +28,7 @@ import random
 
 import torch
 
+from .. import current
 from .. import protocol as P
 from ..mesh import DeviceMesh
 from ..placement import as_int, is_int, normalize_placements
@@ -217,13 +218,8 @@ def fresh_seed() -> int:
 
 def _graph(graph):
     """``graph``, or the graph calls issue on now (the innermost ``with graph:``, else the
-    thread's default). Fronts run on the client only, which owns graphs: imported here so that
-    the hosts, which import this module, never load it."""
-    if graph is not None:
-        return graph
-    from ..client.graph import current_graph
-
-    return current_graph()
+    thread's default), as the context knows it."""
+    return current.current_graph() if graph is None else graph
 
 
 def layout(name: str, dtype, device, device_mesh, graph, floating: bool = True) -> tuple:

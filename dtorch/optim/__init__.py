@@ -3,7 +3,7 @@ param groups and ``state_dict`` format, subclassing ``torch.optim.Optimizer`` so
 ``torch.optim.lr_scheduler`` drives them.
 
 Their state (momentum buffers, moments) is dtorch tensors laid out like their parameters, and
-each step issues one update call per parameter (``ops/optim.py``: torch's own single-tensor
+each step issues one update call per parameter (``optim/kernels.py``: torch's own single-tensor
 arithmetic on each device's blocks) plus the in-place copy into the parameter; nothing waits.
 
 >>> import dtorch, torch
@@ -16,6 +16,14 @@ arithmetic on each device's blocks) plus the in-place copy into the parameter; n
 tensor([0., 0., 0., 0.])
 """
 
-from .optimizer import SGD, Adam, AdamW, Optimizer  # noqa: F401
+import importlib
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+
+
+def __getattr__(name: str):
+    """The optimizers, loaded on first use: a host imports this package for its kernels
+    (``kernels.py``) only, and ``optimizer.py`` uses ``dtorch.nn``, which is the client's."""
+    if name in __all__:
+        return getattr(importlib.import_module(".optimizer", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,11 +6,11 @@ import collections
 
 import torch
 
+from ..buckets import Buckets
 from ..nn.fsdp import dp_sharded
-from ..ops.coalesced import Buckets
-from ..ops.registry import issue
 from ..placement import Replicate
 from ..tensor import Tensor
+from .kernels import adam_update_, sgd_update_
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -131,7 +131,7 @@ class Optimizer(torch.optim.Optimizer):
         (returns None); else on a copy laid out so, returned for ``step`` to copy back into
         ``p``: under ZeRO each device updates its chunk (a local slice of the parameter and
         gradient) and the chunks are all-gathered, those of many parameters in one collective
-        (``ops/coalesced.Buckets``); a Partial parameter is updated whole and split back. With
+        (``buckets.Buckets``); a Partial parameter is updated whole and split back. With
         master weights, a low-precision ``p`` is updated through its float32 copy
         ``state["master"]`` (the gradient cast up), then rounded: the copy returned is in
         ``p``'s dtype."""
@@ -216,10 +216,10 @@ class SGD(Optimizer):
 
         def update(param, grad, group=group, first=first):
             # no momentum: the gradient stands in for the buffer, which the update ignores
-            return issue("sgd_update_", (param, grad, grad if buf is None else buf,
-                                         float(group["lr"])),
-                         (group["momentum"], group["dampening"], group["weight_decay"],
-                          group["nesterov"], group["maximize"], first))
+            return sgd_update_(param, grad, grad if buf is None else buf, float(group["lr"]),
+                               momentum=group["momentum"], dampening=group["dampening"],
+                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                               maximize=group["maximize"], first=first)
 
         new = self._apply(p, state, update)
         if group["momentum"] != 0:
@@ -258,10 +258,10 @@ class Adam(Optimizer):
         beta1, beta2 = group["betas"]
 
         def update(param, grad, group=group, step=state["step"]):
-            return issue("adam_update_", (param, grad, state["exp_avg"], state["exp_avg_sq"],
-                                          float(step), float(group["lr"])),
-                         (beta1, beta2, group["eps"], group["weight_decay"],
-                          group["maximize"], self.decoupled))
+            return adam_update_(param, grad, state["exp_avg"], state["exp_avg_sq"], float(step),
+                                float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"], maximize=group["maximize"],
+                                decoupled=self.decoupled)
 
         return self._apply(p, state, update)
 

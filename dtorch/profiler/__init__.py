@@ -37,8 +37,8 @@ import os
 import shutil
 import time
 
+from .. import current
 from .. import protocol as P
-from ..client import session as _session
 
 __all__ = ["start", "stop", "trace", "profile", "Profile", "chrome_events", "graph"]
 
@@ -49,7 +49,7 @@ def start() -> None:
     """Starts recording the kernels of the work issued from now on."""
     global _started_ns
     _started_ns = time.perf_counter_ns()
-    _session.current().trace(True)
+    current.session().trace(True)
 
 
 _started_ns = 0  # nvtx's clock (perf_counter_ns) at the last start
@@ -58,7 +58,7 @@ _started_ns = 0  # nvtx's clock (perf_counter_ns) at the last start
 def stop(path: str | None = None) -> list:
     """Stops recording once the work issued so far has run, writes the trace to ``path`` (when
     given) and returns its events (Chrome trace event dicts)."""
-    s = _session.current()
+    s = current.session()
     events = chrome_events(s.trace(False), s.site_names, _nvtx_spans())
     if path is not None:
         _write(path, events)
@@ -123,7 +123,7 @@ def graph(directory: str = "dtorch-graphs"):
     chains, tensors, waits, releases); and an SVG beside each when the ``graphviz`` package and
     its ``dot`` program are installed. Yields the list of DOT paths, filled when the block ends.
     ``DTORCH_DEBUG=graph`` (or ``DTORCH_GRAPH_DIR``) does the same for a whole program."""
-    s = _session.current()
+    s = current.session()
     directory = os.path.abspath(directory)
     before = set(_dot_files(directory))
     written: list = []

@@ -4,7 +4,8 @@ Each takes ``(ctx, block, mesh_dim)``. Collectives go through torch.distributed 
 (gloo on CPU, NCCL on CUDA); uneven shards are padded to the largest chunk for the collective
 and cut back after, since collectives need equal sizes on every rank.
 
-Two dtypes travel in another form (``_wire``, ``_widen``): gloo has no complex types, so a complex
+Two dtypes travel in another form (``wire``, ``widen``; public, for every kernel that runs a
+collective of its own, ``buckets.py``'s among them): gloo has no complex types, so a complex
 buffer goes as its real view (``view_as_real``: the same memory, a trailing dim of 2); and a
 low-precision sum (bfloat16, float16) is reduced in float32 and rounded once, as torch's own
 reductions accumulate, instead of rounding at every hop of the collective.
@@ -30,12 +31,12 @@ REDUCE = {"sum": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX, "min": 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
+def wire(t: torch.Tensor) -> torch.Tensor:
     """The buffer a collective sends: a complex tensor as its real view (same memory)."""
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def _widen(op: str, t: torch.Tensor) -> torch.Tensor:
+def widen(op: str, t: torch.Tensor) -> torch.Tensor:
     """What a reduction adds up: a low-precision sum in float32 (rounded once, after). Max and
     min pick an element, which no precision changes."""
     return t.float() if op in ("sum", "avg") and t.dtype in LOW_PRECISION else t
@@ -59,10 +60,10 @@ def all_gather(ctx, x, mesh_dim):
         # even chunks of the outermost dim are contiguous slices of the result: gather into
         # them directly, saving a full copy
         out = x.new_empty(ctx.out_local_shape)
-        pg.allgather([[_wire(o) for o in out.split(sizes[0], d)]], [_wire(padded)]).wait()
+        pg.allgather([[wire(o) for o in out.split(sizes[0], d)]], [wire(padded)]).wait()
         return out
     outs = [torch.empty_like(padded) for _ in sizes]
-    pg.allgather([[_wire(o) for o in outs]], [_wire(padded)]).wait()
+    pg.allgather([[wire(o) for o in outs]], [wire(padded)]).wait()
     return torch.cat([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d)
 
 
@@ -70,7 +71,7 @@ def all_reduce(ctx, x, mesh_dim):
     """P -> R over one mesh dim."""
     op = ctx.in_specs[0].placements[mesh_dim].reduce_op
     pg, _ = ctx.group(mesh_dim)
-    out = _widen(op, x)
+    out = widen(op, x)
     out = out.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()
     opts = AllreduceOptions()
     opts.reduceOp = REDUCE[op]
@@ -79,7 +80,7 @@ def all_reduce(ctx, x, mesh_dim):
         nan_opts = AllreduceOptions()
         nan_opts.reduceOp = ReduceOp.MAX
         pg.allreduce([nans], nan_opts).wait()
-    pg.allreduce([_wire(out)], opts).wait()
+    pg.allreduce([wire(out)], opts).wait()
     _restore_nans(out, nans)
     if op == "avg":
         _divide(out, pg.size())
@@ -111,7 +112,7 @@ def reduce_scatter(ctx, x, mesh_dim):
     d = ctx.out_specs[0].placements[mesh_dim].dim
     pg, rank = ctx.group(mesh_dim)
     sizes = chunk_sizes(x.shape[d], pg.size())
-    chunks = [_pad(c, d, sizes[0]) for c in torch.split(_widen(op, x), sizes, d)]
+    chunks = [_pad(c, d, sizes[0]) for c in torch.split(widen(op, x), sizes, d)]
     out = torch.empty_like(chunks[0])
     opts = ReduceScatterOptions()
     opts.reduceOp = REDUCE[op]
@@ -121,7 +122,7 @@ def reduce_scatter(ctx, x, mesh_dim):
         nan_opts = ReduceScatterOptions()
         nan_opts.reduceOp = ReduceOp.MAX
         pg.reduce_scatter([nans], [nan_chunks], nan_opts).wait()
-    pg.reduce_scatter([_wire(out)], [[_wire(c) for c in chunks]], opts).wait()
+    pg.reduce_scatter([wire(out)], [[wire(c) for c in chunks]], opts).wait()
     if nan_chunks[0] is not None:
         _restore_nans(out, nans)
     out = out.narrow(d, 0, sizes[rank]).contiguous()
@@ -145,7 +146,7 @@ def all_to_all(ctx, x, mesh_dim):
         send = torch.stack([_pad(_pad(c, d, d_sizes[0]), e, e_sizes[0])
                             for c in torch.split(x, e_sizes, e)])
     recv = torch.empty_like(send)
-    pg.alltoall_base(_wire(recv), _wire(send), [], [], AllToAllOptions()).wait()
+    pg.alltoall_base(wire(recv), wire(send), [], [], AllToAllOptions()).wait()
     if d == 0 and len(set(d_sizes)) == 1 and e_sizes[rank] == e_sizes[0]:
         return recv.view(n * d_sizes[0], *recv.shape[2:])  # the result, as it arrived
     return torch.cat([recv[j].narrow(d, 0, d_sizes[j]).narrow(e, 0, e_sizes[rank])
@@ -209,7 +210,7 @@ def move(ctx, x, mesh_dim):
                           device=ctx.device.torch_device)
     opts = BroadcastOptions()
     opts.rootRank = members.index(root)
-    ctx.device.group(members).broadcast([_wire(buf)], opts).wait()
+    ctx.device.group(members).broadcast([wire(buf)], opts).wait()
     if me in receivers:
         out = buf.clone() if me == root else buf
     return () if out is None else out  # a device only of the source mesh keeps no block
@@ -260,12 +261,12 @@ def hop(ctx, x, failure: int = 0):
                           device=ctx.device.torch_device)
         sender = torch.zeros(1, dtype=torch.int64)
         pg, cpu_pg, rank = groups[recv_from]
-        works += [cpu_pg.recv([sender], rank, _FAILURE), pg.recv([_wire(out)], rank, _BLOCK)]
+        works += [cpu_pg.recv([sender], rank, _FAILURE), pg.recv([wire(out)], rank, _BLOCK)]
     if send_to is not None:
         pg, cpu_pg, rank = groups[send_to]
         flag = torch.tensor([failure], dtype=torch.int64)
         block = x.contiguous()  # both held until their sends complete
-        works += [cpu_pg.send([flag], rank, _FAILURE), pg.send([_wire(block)], rank, _BLOCK)]
+        works += [cpu_pg.send([flag], rank, _FAILURE), pg.send([wire(block)], rank, _BLOCK)]
     for w in works:
         w.wait()
     return out, 0 if sender is None else int(sender)

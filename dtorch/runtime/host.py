@@ -28,9 +28,9 @@ import torch
 import zmq
 from torch._C._distributed_c10d import FileStore
 
-from .. import config, protocol as P
-from ..cluster import auth, local
-from ..ops import registry  # importing ops registers every operator's kernel
+from .. import config, kernels, protocol as P  # noqa: F401  (importing kernels registers them)
+from ..launcher import auth, local
+from ..ops import registry
 from ..spec import MeshInfo, coordinate_of
 from .collectives import STEP_KERNELS, is_hop
 from . import cpu_memory
@@ -165,7 +165,7 @@ class Host:
         """A new client of the rendezvous store. Each device needs its own: a client blocks
         while it waits for a key, so devices sharing one would deadlock in a rendezvous."""
         if self._store_relay:  # the cluster's store, through this machine's node agent
-            from ..cluster import store as cluster_store
+            from ..launcher import store as cluster_store
 
             return cluster_store.connect(self._store_relay, self._keys, self.ctx,
                                          config.collective_timeout_s)

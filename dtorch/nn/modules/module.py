@@ -36,7 +36,7 @@ from torch.nn.modules import module as _torch_module
 from ...mesh import DeviceMesh
 from ...ops.conversion import source_placements
 from ...ops.creation import PY_DTYPES, from_torch
-from ...ops.system import failure_token
+from ...checkpoint.kernels import failure_token
 from ...tensor import Tensor
 from ..parameter import Buffer, Parameter
 

@@ -1,5 +1,4 @@
-"""System operators: NVTX ranges and marks, in program order on every device of a mesh; the
-failure token a load reads to learn whether its values arrived (``failure_token``).
+"""NVTX operators: ranges and marks, in program order on every device of a mesh.
 
 DTorch's ``_nvtx_range_push(graph, message)``, ``_nvtx_range_pop(graph)`` and
 ``_nvtx_mark(graph, message)`` (in ``dtorch.nn.functional``; ``dtorch.cuda.nvtx`` holds the forms
@@ -25,10 +24,11 @@ import time
 
 import torch
 
-from ..mesh import DeviceMesh
-from ..placement import Replicate, Shard
-from .registry import IMPURE, OpDef, issue, register
-from .rules import Placed
+from .. import current
+from ..graph import Graph
+from ..ops.registry import IMPURE, OpDef, issue, register
+from ..ops.rules import Placed
+from ..placement import Replicate
 
 RECORD_LIMIT = 100_000  # events a host keeps (and ranges the client keeps), the latest ones
 EVENTS: collections.deque = collections.deque(maxlen=RECORD_LIMIT)
@@ -66,33 +66,7 @@ def replicated(call) -> Placed:
 # -- fronts (client only) -------------------------------------------------------------------------
 
 
-def current_graph():
-    """The graph the calling thread issues to (the innermost ``with graph:``, else its default
-    graph). The client owns graphs: imported here, so the hosts, which import this module for
-    the kernels, never load it."""
-    from ..client import graph as g
-
-    current = getattr(g, "current_graph", None)
-    return current() if current is not None else g.default_graph
-
-
-_CPU0: list = []
-
-
-def graph_mesh(graph) -> DeviceMesh:
-    """The mesh a graph's NVTX ops run on: its default mesh (``Graph.device_mesh_guard``)."""
-    mesh = getattr(graph, "default_device_mesh", None)
-    if mesh is None:  # a Graph without defaults: the one-device CPU mesh, every graph's first
-        if not _CPU0:
-            _CPU0.append(DeviceMesh("cpu", [0]))
-        mesh = _CPU0[0]
-    return mesh
-
-
-
 def check_graph(who: str, graph) -> None:
-    from ..client.graph import Graph
-
     if graph is not None and not isinstance(graph, Graph):
         raise TypeError(f"{who}: graph must be a dtorch.Graph or None, not "
                         f"{type(graph).__name__}")
@@ -106,12 +80,12 @@ def check_message(who: str, message) -> None:
 def issue_nvtx(name: str, graph, message: str, mesh=None) -> tuple:
     """Issues the NVTX entry ``name`` with ``message`` on ``graph`` (None: the current graph),
     on every device of ``mesh`` (default: the graph's default mesh). Returns (graph, mesh)."""
-    current = current_graph()
-    graph = current if graph is None else graph
+    issuing = current.current_graph()
+    graph = issuing if graph is None else graph
     if mesh is None:
-        mesh = graph_mesh(graph)
+        mesh = graph.default_device_mesh
     operands, static = (message.encode(),), (mesh,)
-    if graph == current:
+    if graph == issuing:
         issue(name, operands, static)
     else:
         with graph:
@@ -142,37 +116,3 @@ for _name, _kind in KINDS.items():
     register(OpDef(_name, f"{_name}(message: Tensor, *, device_mesh=None)", nvtx_kernel(_kind),
                    replicated, meta=_token_meta, function=False, functional=True, flags=IMPURE,
                    uses_context=True, front=_front(_name, _kind != "pop")))
-
-
-# -- failure tokens -------------------------------------------------------------------------------
-
-
-def failure_token(tensors):
-    """A token that carries the first failure any of ``tensors`` (on one mesh) carries, on any
-    device: reading it (``to_torch()``) raises that failure (the op and the user's line that
-    failed), else gives zeros. One element per device, so reading it hears from every device:
-    what a load reads to know that its values arrived (``nn.modules.module.check_loaded``).
-
-    >>> import dtorch
-    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
-    >>> x = dtorch.ones(4, device_mesh=mesh, placements=[dtorch.Shard(0)])
-    >>> failure_token([x, x * 2]).to_torch()
-    tensor([0, 0])
-    """
-    tensors = tuple(tensors)
-    with torch.no_grad():  # a token has no gradient: autograd records nothing of it
-        return issue("failure_token", tensors, (tensors[0].device_mesh.size(),))
-
-
-def _no_failure(ctx, *blocks, devices):
-    return torch.zeros(1, dtype=torch.int64, device=ctx.device.torch_device)
-
-
-def one_per_device(call) -> Placed:
-    return Placed(((Shard(0),) * len(call.mesh.shape),))
-
-
-register(OpDef("failure_token", "failure_token(tensors: TensorList, devices)", _no_failure,
-               one_per_device, meta=lambda *blocks, devices: torch.empty(
-                   devices, dtype=torch.int64, device="meta"), function=False,
-               uses_context=True, front=failure_token))

@@ -1,6 +1,6 @@
-"""Coalesced collectives: several tensors changed in layout by one collective of their blocks,
-flattened and joined, so that many small tensors pay one collective's latency, as torch's DDP
-buckets and ZeRO's flat buffers do. ``Buckets`` gathers them: the backward's gradients on their
+"""Gradient buckets and their coalesced collectives: several tensors changed in layout by one
+collective of their blocks, flattened and joined, so that many small tensors pay one collective's
+latency, as torch's DDP buckets and ZeRO's flat buffers do. ``Buckets`` gathers them: the backward's gradients on their
 way into ``.grad`` (``autograd/tape.py``), the optimizer's updated chunks on their way back
 into the parameters (``optim/optimizer.py``).
 
@@ -27,13 +27,13 @@ every dtorch reduction. All three differentiate through their collectives
 >>> P, S0 = dtorch.Partial(), dtorch.Shard(0)
 >>> a = dtorch.from_torch(torch.ones(4, 3), device_mesh=mesh, placements=[P, S0])
 >>> b = dtorch.from_torch(torch.ones(5), device_mesh=mesh, placements=[P, dtorch.Replicate()])
->>> whole_a, whole_b = dtorch.ops.coalesced.all_reduce_coalesced([a, b], mesh_dims=(0,))
+>>> whole_a, whole_b = dtorch.buckets.all_reduce_coalesced([a, b], mesh_dims=(0,))
 >>> whole_a.placements, bool(whole_a.to_torch().eq(1).all()), whole_b.placements
 ([Replicate(), Shard(dim=0)], True, [Replicate(), Replicate()])
->>> part_a, part_b = dtorch.ops.coalesced.reduce_scatter_coalesced([a, b], 0, (1, 0))
+>>> part_a, part_b = dtorch.buckets.reduce_scatter_coalesced([a, b], 0, (1, 0))
 >>> part_a.placements, bool(part_a.to_torch().eq(1).all()), part_b.placements
 ([Shard(dim=1), Shard(dim=0)], True, [Shard(dim=0), Replicate()])
->>> again_a, again_b = dtorch.ops.coalesced.all_gather_coalesced([part_a, part_b], 0)
+>>> again_a, again_b = dtorch.buckets.all_gather_coalesced([part_a, part_b], 0)
 >>> again_a.placements, bool(again_a.to_torch().eq(1).all()), again_b.placements
 ([Replicate(), Shard(dim=0)], True, [Replicate(), Replicate()])
 """
@@ -45,12 +45,12 @@ import math
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, ReduceScatterOptions
 
-from .. import config
-from ..placement import Partial, Replicate, Shard, chunk_sizes
-from ..runtime.collectives import _widen, _wire
-from .exchange import exchange
-from .registry import COMM, OpDef, issue, register
-from .rules import Placed
+from . import config
+from .ops.exchange import exchange
+from .ops.registry import COMM, OpDef, issue, register
+from .ops.rules import Placed
+from .placement import Partial, Replicate, Shard, chunk_sizes
+from .runtime.collectives import widen, wire
 
 SUM, R = Partial("sum"), Replicate()
 
@@ -86,7 +86,7 @@ def coalesced_rule(call) -> Placed:
 
 def _all_reduce_coalesced(ctx, *blocks, mesh_dims):
     groups = [ctx.group(d)[0] for d in mesh_dims]
-    flat = torch.cat([_widen("sum", b).reshape(-1) for b in blocks])  # a buffer of its own
+    flat = torch.cat([widen("sum", b).reshape(-1) for b in blocks])  # a buffer of its own
     flat = exchange(flat, lambda t: _sum(groups, t), lambda g: _sum(groups, g.clone()))
     flat = flat.to(blocks[0].dtype)
     return tuple(piece.view(b.shape)
@@ -99,7 +99,7 @@ def _sum(groups, flat):
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         for pg in groups:
-            pg.allreduce([_wire(flat)], opts).wait()
+            pg.allreduce([wire(flat)], opts).wait()
     return flat
 
 
@@ -166,7 +166,7 @@ def _reduce_scatter_rows(pg, rows):
     if out.numel():
         opts = ReduceScatterOptions()
         opts.reduceOp = ReduceOp.SUM
-        pg.reduce_scatter([_wire(out)], [[_wire(r) for r in rows.unbind(0)]], opts).wait()
+        pg.reduce_scatter([wire(out)], [[wire(r) for r in rows.unbind(0)]], opts).wait()
     return out
 
 
@@ -174,7 +174,7 @@ def _all_gather_rows(pg, row):
     """Every member's ``row``, stacked in rank order ([member, n])."""
     out = row.new_empty(pg.size(), row.numel())
     if out.numel():
-        pg.allgather([[_wire(r) for r in out.unbind(0)]], [_wire(row)]).wait()
+        pg.allgather([[wire(r) for r in out.unbind(0)]], [wire(row)]).wait()
     return out
 
 
@@ -194,7 +194,7 @@ def _reduce_scatter_coalesced(ctx, *blocks, mesh_dim, dims):
     pg, rank = ctx.group(mesh_dim)
     members = _stretches([b.shape for b in blocks], dims, pg.size())
     longest = max(sum(math.prod(s) for s in shapes) for shapes in members)
-    chunks = [torch.split(_widen("sum", b), [s[d] for s in shapes], d)
+    chunks = [torch.split(widen("sum", b), [s[d] for s in shapes], d)
               for b, d, shapes in zip(blocks, dims, zip(*members))]
     rows = torch.stack([_padded(torch.cat([c[r].reshape(-1) for c in chunks]), longest)
                         for r in range(pg.size())])  # a buffer of its own

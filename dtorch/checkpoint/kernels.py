@@ -1,5 +1,6 @@
 """Checkpoint operators: each device reads its own block of a tensor straight from a safetensors
-file, and writes its own blocks to a file of its own (``dtorch.checkpoint`` is the user's side).
+file, and writes its own blocks to a file of its own (``dtorch.checkpoint`` is the user's side);
+the failure token a load reads to learn whether its values arrived (``failure_token``).
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, and the tensors' bytes, row-major. The client reads only headers
@@ -39,7 +40,7 @@ gives the worst failure of any device as a value, with no kernel error (the runt
 it was); the op is IMPURE.
 
 >>> import dtorch, torch, os, tempfile
->>> from dtorch.ops.checkpoint import write_file, read_into, pack_pieces
+>>> from dtorch.checkpoint.kernels import write_file, read_into, pack_pieces
 >>> path = os.path.join(tempfile.mkdtemp(), "t.safetensors")
 >>> write_file(path, [("w", torch.arange(12.).reshape(4, 3))])
 >>> start = 8 + int.from_bytes(open(path, "rb").read(8), "little")  # data begins after the header
@@ -64,10 +65,10 @@ import torch
 
 from .. import config
 from .. import protocol as P
+from ..ops.registry import IMPURE, INPLACE, OVERWRITES, OpDef, issue, register
+from ..ops.rules import Placed
 from ..placement import Partial, Shard
 from ..tensor import Tensor
-from .registry import IMPURE, INPLACE, OVERWRITES, OpDef, issue, register
-from .rules import Placed
 
 # safetensors' dtype names (the format's own table; torch lacks some on older versions)
 DTYPES = {name: getattr(torch, attr) for name, attr in (
@@ -321,3 +322,37 @@ register(OpDef("write_safetensors", "write_safetensors(plan: Tensor, tensors: Te
                                                                       device="meta"),
                function=False, flags=IMPURE, uses_context=True, front=write_blocks,
                doc="Each device writes the blocks it owns to a safetensors file of its own."))
+
+
+# -- failure tokens -------------------------------------------------------------------------------
+
+
+def failure_token(tensors):
+    """A token that carries the first failure any of ``tensors`` (on one mesh) carries, on any
+    device: reading it (``to_torch()``) raises that failure (the op and the user's line that
+    failed), else gives zeros. One element per device, so reading it hears from every device:
+    what a load reads to know that its values arrived (``nn.modules.module.check_loaded``).
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    >>> x = dtorch.ones(4, device_mesh=mesh, placements=[dtorch.Shard(0)])
+    >>> failure_token([x, x * 2]).to_torch()
+    tensor([0, 0])
+    """
+    tensors = tuple(tensors)
+    with torch.no_grad():  # a token has no gradient: autograd records nothing of it
+        return issue("failure_token", tensors, (tensors[0].device_mesh.size(),))
+
+
+def _no_failure(ctx, *blocks, devices):
+    return torch.zeros(1, dtype=torch.int64, device=ctx.device.torch_device)
+
+
+def one_per_device(call) -> Placed:
+    return Placed(((Shard(0),) * len(call.mesh.shape),))
+
+
+register(OpDef("failure_token", "failure_token(tensors: TensorList, devices)", _no_failure,
+               one_per_device, meta=lambda *blocks, devices: torch.empty(
+                   devices, dtype=torch.int64, device="meta"), function=False,
+               uses_context=True, front=failure_token))

@@ -9,13 +9,13 @@ handler (``Gatekeeper``) checks the key each handshake presents. Everything afte
 handshake is encrypted, so a process without the keys can neither inject a frame, read one, nor
 pose as a peer. Refusals are logged on the ``dtorch`` logger.
 
-A cluster of machines (``cluster/node.py``) has keys of its own, the same four, kept in a *token
+A cluster of machines (``launcher/node.py``) has keys of its own, the same four, kept in a *token
 file* (``dtorch token FILE`` writes one, readable by its owner only) that the main node and every
 node agent read: the main controller's node socket serves them under a second ZAP domain
 (``CLUSTER_DOMAIN``), so a runtime's own sockets never admit a node agent, nor its node socket a
 runtime's process. A peer with another token fails the handshake before ZAP can see it (it
 does not even know the server's key): ``HandshakeWatch`` logs those refusals on the serving
-side, and the refused side learns of them from its socket monitor (``cluster/node.py``).
+side, and the refused side learns of them from its socket monitor (``launcher/node.py``).
 
 >>> keys = Keys.generate()
 >>> Keys.from_bytes(keys.to_bytes()) == keys

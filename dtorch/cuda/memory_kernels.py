@@ -1,5 +1,5 @@
 """Memory figures of devices: ``memory_stats`` and ``empty_cache``, the device side of
-``Graph.get_memory_stats`` and ``Graph.empty_cache`` (``client/graph.py``).
+``Graph.get_memory_stats`` and ``Graph.empty_cache`` (``dtorch/graph.py``).
 
 Both answer one row per device, ``[allocated, reserved, max_allocated, max_reserved]`` in bytes,
 laid out ``Shard(0)`` over a 1-D mesh of the devices asked about: the client reads every
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from ..mesh import DeviceMesh
+from ..ops.registry import IMPURE, OpDef, issue, register
+from ..ops.rules import Placed
 from ..placement import Shard
 from ..runtime import cpu_memory
-from .registry import IMPURE, OpDef, register
-from .rules import Placed
 
 FIELDS = ("allocated", "reserved", "max_allocated", "max_reserved")
 
@@ -69,3 +70,17 @@ register(OpDef("empty_cache", "empty_cache(n, *, device_mesh=None)", _empty_cach
                one_row_per_device, meta=_rows_meta, function=False, flags=IMPURE,
                uses_context=True,
                doc="Frees each device's cached blocks (``Graph.empty_cache``)."))
+
+
+def memory_stats(device_type: str, devices: list, reset_peak: bool) -> list:
+    """The rows ``[allocated, reserved, max_allocated, max_reserved]`` of ``devices``, in
+    their order, read once the work issued before has run on each."""
+    rows = issue("memory_stats", (), (len(devices), bool(reset_peak),
+                                      DeviceMesh(device_type, devices))).to_torch()
+    assert rows.shape[1] == len(FIELDS)
+    return rows.tolist()
+
+
+def empty_cache(device_type: str, devices: list) -> None:
+    """Issues ``empty_cache`` on ``devices``."""
+    issue("empty_cache", (), (len(devices), DeviceMesh(device_type, devices)))

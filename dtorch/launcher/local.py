@@ -123,7 +123,7 @@ def stop_all(children, timeout: float) -> None:
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = (
     "import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
-    "sys.modules['dtorch'] = p; from dtorch.cluster.local import child_main; "
+    "sys.modules['dtorch'] = p; from dtorch.launcher.local import child_main; "
     "child_main({module!r}, sys.argv[1:])"
 )
 # the knobs a child reads from the environment at import follow this process's values
@@ -245,12 +245,9 @@ def host_index(device_type: str, device: int) -> int:
     return config.cpu_hosts + device
 
 
-def start_controller(ops_addr: str, results_addr: str, keys) -> Child:
-    """The controller; the main node of a cluster when ``MainNode`` has an address (it then
-    listens there for node agents holding the cluster's token)."""
-    from .main_node import cluster_settings
-
-    cluster = cluster_settings()  # checked here: a bad token file raises at the user's call
+def start_controller(ops_addr: str, results_addr: str, keys, cluster=None) -> Child:
+    """The controller; the main node of a cluster when given its ``settings.ClusterSettings``
+    (it then listens at its address for node agents holding the cluster's token)."""
     extra = ["--node-address", cluster.address, "--token-file", cluster.token_file] if cluster \
         else []
     return spawn("controller", "dtorch.controller.main",

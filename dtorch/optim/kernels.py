@@ -13,6 +13,8 @@ The layout: parameter, gradient and state are laid out alike (the optimizer make
 every element's update reads only that element, so any Shard or Replicate layout updates in
 place on each device. A Partial parameter stands for a sum, which an elementwise update of its
 pieces would not respect: the optimizer updates its Replicate form instead.
+
+``sgd_update_`` and ``adam_update_`` are the fronts the optimizers call (``optim/optimizer.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.sgd import sgd as _torch_sgd
 
+from ..ops.registry import OpDef, issue, register
+from ..ops.rules import Placed, expand
 from ..placement import Replicate, Shard
 from ..protocol import INPLACE, writes
-from .registry import OpDef, register
-from .rules import Placed, expand
 
 R = Replicate()
 
@@ -61,13 +63,30 @@ def _update_meta(param, *operands, **static):
     return param
 
 
+def sgd_update_(param, grad, momentum_buffer, lr: float, *, momentum, dampening, weight_decay,
+                nesterov, maximize, first):
+    """Issues one SGD step of ``param`` (in place) and returns it; without momentum the buffer
+    is ignored (pass the gradient)."""
+    return issue("sgd_update_", (param, grad, momentum_buffer, lr),
+                 (momentum, dampening, weight_decay, nesterov, maximize, first))
+
+
+def adam_update_(param, grad, exp_avg, exp_avg_sq, step: float, lr: float, *, beta1, beta2, eps,
+                 weight_decay, maximize, decoupled):
+    """Issues one Adam (``decoupled``: AdamW) step of ``param`` and its moments (in place) and
+    returns ``param``; ``step`` counts this update."""
+    return issue("adam_update_", (param, grad, exp_avg, exp_avg_sq, step, lr),
+                 (beta1, beta2, eps, weight_decay, maximize, decoupled))
+
+
 register(OpDef("sgd_update_",
                "sgd_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, lr: Tensor, "
                "*, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "
                "maximize=False, first=False)", _sgd_update_, alike_rule, meta=_update_meta,
-               flags=INPLACE | writes(2), function=False))
+               flags=INPLACE | writes(2), function=False, front=sgd_update_))
 register(OpDef("adam_update_",
                "adam_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, "
                "step: Tensor, lr: Tensor, *, beta1=0.9, beta2=0.999, eps=1e-8, "
                "weight_decay=0.0, maximize=False, decoupled=False)", _adam_update_,
-               alike_rule, meta=_update_meta, flags=INPLACE | writes(2, 3), function=False))
+               alike_rule, meta=_update_meta, flags=INPLACE | writes(2, 3), function=False,
+               front=adam_update_))

@@ -3,7 +3,7 @@
 The controller of a cluster's main node (``MainNode.set_address``) listens at that address with
 a ROUTER socket that admits only holders of the cluster's token (``auth.CLUSTER_DOMAIN``; the
 other connections are refused and logged, ``auth.HandshakeWatch``). A node agent
-(``cluster/node.py``) joins with NodeJoin and is given its machine's index and the global id of
+(``launcher/node.py``) joins with NodeJoin and is given its machine's index and the global id of
 its first device: ids are numbered machine by machine in the order machines join, so a machine
 that joins late extends the id space and serves the meshes made after it joined. Once its hosts
 are up it sends NodeReady; only then does it count in the cluster, receive the definitions made
@@ -13,7 +13,7 @@ part in syncs (the agent acknowledges a sync once all its hosts have).
 Both sides send a NodeBeat every ``config.heartbeat_interval_s``; a machine whose connection
 closed (its agent killed: the beat cannot be sent) or that is silent for
 ``config.heartbeat_timeout_s`` (its agent stopped, its network gone) fails the runtime with an
-error that names it. The cluster's rendezvous store (``cluster/store.py``) lives
+error that names it. The cluster's rendezvous store (``launcher/store.py``) lives
 here too, and so do the client's questions about the cluster (``ClusterQuery``), answered on a
 socket of the client's own once enough machines are ready or their time is up.
 """
@@ -29,7 +29,7 @@ from . import auth
 from .store import StoreServer
 
 
-class Machine:
+class JoinedAgent:
     """A node agent that joined, as the main controller sees it."""
 
     def __init__(self, identity: bytes, index: int, join: P.NodeJoin, first_device: int):
@@ -113,13 +113,13 @@ class Machines:
     def _on_join(self, identity: bytes, machine, join: P.NodeJoin) -> None:
         if machine is None:  # not a repeated join (the agent rejoins after a reconnect)
             self.count += 1
-            machine = Machine(identity, self.count, join, self.next_device)
+            machine = JoinedAgent(identity, self.count, join, self.next_device)
             self.next_device += join.devices
             self.joined.append(machine)
             self.by_identity[identity] = machine
         self.control(machine, P.NodeWelcome(P.NODE_WELCOME, machine.index, machine.first_device))
 
-    def send(self, machine: Machine, kind: bytes, frame) -> bool:
+    def send(self, machine: JoinedAgent, kind: bytes, frame) -> bool:
         """A frame to an agent; False when its connection has closed."""
         try:
             self.sock.send_multipart([machine.identity, kind, frame], copy=False)
@@ -129,7 +129,7 @@ class Machines:
                 raise
             return False
 
-    def control(self, machine: Machine, record) -> bool:
+    def control(self, machine: JoinedAgent, record) -> bool:
         return self.send(machine, P.NODE_CONTROL, P.pack(record))
 
     def beat(self, probe: bool = False) -> list:
@@ -148,7 +148,7 @@ class Machines:
         limit = config.heartbeat_timeout_s
         return [m for m in self.joined if time.monotonic() - m.last_heard > limit]
 
-    def drop(self, machine: Machine) -> None:
+    def drop(self, machine: JoinedAgent) -> None:
         """Forgets a machine that failed before it was ready: no program used it yet, so the
         runtime goes on without it (its device ids stay unused)."""
         self.joined.remove(machine)

@@ -2,13 +2,13 @@
 ``dtorch node`` (by hand, under ``srun``, or as a Ray actor; see ``docs/cluster.md``).
 
 It joins the main controller at ``--main`` over a CURVE connection that only holders of the
-cluster's token can make (``cluster/auth.py``; a refused agent says so and exits 1), is given
+cluster's token can make (``launcher/auth.py``; a refused agent says so and exits 1), is given
 its machine's index and the global id of its first device, starts its machine's host
-processes with the local launcher (``cluster/local.py``: the same pipes tie their lifetimes and
+processes with the local launcher (``launcher/local.py``: the same pipes tie their lifetimes and
 carry their heartbeats), and once they are up tells the main controller it is ready. Then it
 relays: each batch arrives once per machine and goes to every local host undecoded; the hosts'
 messages go up as they are, except sync acknowledgements, which it gathers into one per
-machine. Its hosts reach the cluster's rendezvous store through it (``cluster/store.py``).
+machine. Its hosts reach the cluster's rendezvous store through it (``launcher/store.py``).
 
 Failures: a host that exits or goes silent is reported to the main controller (which fails the
 runtime naming the machine and the host). Both ends beat every
@@ -38,8 +38,9 @@ import uuid
 import zmq
 
 from .. import config, protocol as P
-from . import auth, local
-from .cli import Parser, UsageError, command as dtorch_command
+from . import auth, local, slurm
+from .settings import ADDRESS_ENV as MAIN_ENV, TOKEN_ENV, check_address
+from .usage import Parser, UsageError, command as dtorch_command
 
 log = logging.getLogger("dtorch")
 DEFAULT_WAIT_S = 600.0  # DTorch's worker --timeout-second
@@ -65,7 +66,7 @@ class Agent:
         if device_type == "cpu":
             config.cpu_hosts = min(config.cpu_hosts, devices)
         self.ctx = zmq.Context()
-        self.local_keys = auth.Keys.generate()  # this machine's processes' (cluster/auth.py)
+        self.local_keys = auth.Keys.generate()  # this machine's processes' (launcher/auth.py)
         self.gatekeeper = auth.Gatekeeper(self.ctx, self.local_keys)
 
     def serve_forever(self, wait_s: float = DEFAULT_WAIT_S) -> None:
@@ -297,11 +298,8 @@ def parser() -> argparse.ArgumentParser:
 
 def settings(argv, environ) -> argparse.Namespace:
     """The agent's settings: its arguments, then the environment (DTorch's variables, then
-    SLURM's: ``cluster/slurm.py``), then the defaults. Bad input raises UsageError naming the
+    SLURM's: ``launcher/slurm.py``), then the defaults. Bad input raises UsageError naming the
     fix."""
-    from . import slurm
-    from .main_node import ENV as MAIN_ENV, TOKEN_ENV, check_address
-
     args = parser().parse_args(argv)
     under_slurm = slurm.defaults(environ)
     source = "--main" if args.main else MAIN_ENV if environ.get(MAIN_ENV) else \
@@ -364,7 +362,7 @@ def route_to(ip: str) -> str:
 
 def cli(argv=None, environ=None) -> int:
     """``dtorch node``: returns the exit status; bad input raises UsageError (``dtorch``
-    prints it, exit status 2: ``cluster/cli.py``)."""
+    prints it, exit status 2: ``launcher/cli.py``)."""
     environ = os.environ if environ is None else environ
     args = settings(sys.argv[1:] if argv is None else argv, environ)
     try:

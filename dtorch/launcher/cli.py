@@ -1,7 +1,7 @@
 """The ``dtorch`` command (``[project.scripts]``):
 
 - ``dtorch node [--main IPv4:PORT] [--token-file FILE] [--bind ADDR] [--cpu-devices N]``: this
-  machine's node agent (``cluster/node.py``; ``dtorch node --help``);
+  machine's node agent (``launcher/node.py``; ``dtorch node --help``);
 - ``dtorch token FILE``: writes a new cluster token (readable by its owner only), for the main
   node's ``MainNode.set_token_file`` (or ``DTORCH_TOKEN_FILE``) and every agent's
   ``--token-file``.
@@ -15,27 +15,17 @@ Bad input (an argument, or a variable standing for one) is one line on stderr an
 
 from __future__ import annotations
 
-import argparse
 import sys
+
+from . import node
+from .auth import write_token
+from .usage import Parser, UsageError
 
 USAGE = "usage: dtorch node [options] | dtorch token FILE   (dtorch node --help for options)"
 
 
-class UsageError(ValueError):
-    """Bad input to a ``dtorch`` command: ``main`` prints it on one line, exit status 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, whose errors are UsageErrors naming ``--help``."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} ({self.prog} --help lists the options)")
-
-
 def token(argv) -> int:
     """``dtorch token FILE``."""
-    from .auth import write_token
-
     p = Parser(prog="dtorch token", description="Writes a new cluster token (the cluster's "
                                                 "keys) to FILE, readable by its owner only.")
     p.add_argument("file", metavar="FILE")
@@ -50,13 +40,7 @@ def token(argv) -> int:
     return 0
 
 
-def node(argv) -> int:
-    from .node import cli
-
-    return cli(argv)
-
-
-COMMANDS = {"node": node, "token": token}
+COMMANDS = {"node": node.cli, "token": token}
 
 
 def main(argv=None) -> int:
@@ -76,20 +60,7 @@ def main(argv=None) -> int:
         return 2
 
 
-# How to run ``dtorch`` without loading dtorch's public API (which imports torch, seconds on a
-# busy machine): the bare package the runtime's own processes boot with (``cluster/local.py``).
-_BOOT = ("import sys, types; p = types.ModuleType('dtorch'); p.__path__ = [{pkg!r}]; "
-         "sys.modules['dtorch'] = p; from dtorch.cluster.cli import main; sys.exit(main())")
-
-
-def command(*args) -> list:
-    """The argv that runs ``dtorch *args`` in a lean process."""
-    from .local import PACKAGE_DIR
-
-    return [sys.executable, "-c", _BOOT.format(pkg=PACKAGE_DIR), *map(str, args)]
-
-
 if __name__ == "__main__":  # python -m: the errors node.py raises are the package module's
-    from dtorch.cluster.cli import main as package_main
+    from dtorch.launcher.cli import main as package_main
 
     sys.exit(package_main())

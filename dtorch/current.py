@@ -1,0 +1,134 @@
+"""The calling thread's context: which graph it issues to, that graph's defaults, and the session.
+
+Every front (``ops/``), ``tensor.py`` and the client read this module, and it reads nothing of
+theirs: it holds state only (no sockets, no client, no registry), so the layers below the client
+ask it what the user's thread is doing instead of importing the client.
+
+- **Graphs.** Each thread has a default graph and the graphs it has entered with ``with graph:``
+  (innermost last): ``per_thread`` (a ``threading.local``). ``per_thread.graph_id`` is the id of
+  the graph the thread issues to, which every operator's record carries, so it is a plain
+  attribute, read once per operator. A thread's default graph is made on its first use, of the
+  class ``dtorch/graph.py`` names when it defines it (``plug_graph_type``); its id is taken when
+  the thread first touches this module's state, so the importing thread's default graph is 0.
+- **Defaults.** The mesh and dtype of tensors made without one: the current graph's
+  (``default_mesh``, ``default_dtype``; a graph's guards set them).
+- **The session**, as an opaque handle: ``session()`` is the running runtime's session (started on
+  first use), as the client hands it in (``plug_session``); callers use only what they are given
+  (``sync``, ``sync_async``, ``trace``...), never the client's modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+from .mesh import DeviceMesh
+
+_graph_ids = itertools.count(0)
+_CPU0: list = []  # the one-device CPU mesh, every graph's first default (made on first use)
+
+
+def new_graph_id() -> int:
+    """A fresh graph id (unique in this process)."""
+    return next(_graph_ids)
+
+
+def _no_graph_type(graph_id):
+    raise RuntimeError("dtorch: a graph was asked for before dtorch.graph defined Graph "
+                       "(import dtorch first)")
+
+
+_graph_type: Callable = _no_graph_type  # (graph_id) -> a Graph with that id
+
+
+def plug_graph_type(make: Callable) -> None:
+    """``make(graph_id)``: a new Graph with that id (``dtorch.graph.Graph``'s, for defaults)."""
+    global _graph_type
+    _graph_type = make
+
+
+class ThreadGraphs(threading.local):
+    """One thread's graphs: its default graph (made on first use), the graphs it has entered
+    (innermost last), and ``graph_id``, the id of the one it issues to. Each thread gets its own
+    on first use."""
+
+    def __init__(self) -> None:
+        self.default_id = new_graph_id()
+        self.graph_id = self.default_id
+        self.stack: list = []
+        self._default = None
+
+    @property
+    def default(self):
+        if self._default is None:
+            self._default = _graph_type(self.default_id)
+        return self._default
+
+    def enter(self, graph) -> None:
+        self.stack.append(graph)
+        self.graph_id = graph.id
+
+    def exit(self) -> None:
+        self.stack.pop()
+        self.graph_id = self.stack[-1].id if self.stack else self.default_id
+
+
+per_thread = ThreadGraphs()  # the importing thread's default graph is the first: id 0
+
+
+def current_graph():
+    """The graph the calling thread issues to: the innermost ``with graph:``, else the thread's
+    default graph."""
+    state = per_thread
+    return state.stack[-1] if state.stack else state.default
+
+
+def cpu0() -> DeviceMesh:
+    """``DeviceMesh("cpu", [0])``, every graph's first default mesh."""
+    if not _CPU0:
+        _CPU0.append(DeviceMesh("cpu", [0]))
+    return _CPU0[0]
+
+
+def default_mesh() -> DeviceMesh:
+    """The mesh of tensors made without one: the current graph's default."""
+    return current_graph().default_device_mesh
+
+
+def default_dtype():
+    """The dtype of floating tensors made without one: the current graph's default."""
+    return current_graph().default_dtype
+
+
+# -- the session ----------------------------------------------------------------------------------
+
+
+def _no_session():
+    raise RuntimeError("dtorch: the runtime was asked for before the client plugged in its "
+                       "session (import dtorch first)")
+
+
+def _no_running_session():
+    return None  # no client plugged in: no session runs
+
+
+_session: Callable = _no_session
+_running: Callable = _no_running_session
+
+
+def plug_session(current: Callable, running: Callable) -> None:
+    """The client's ``current()`` (the running session, started on first use) and
+    ``running()`` (the running session, or None: starts nothing)."""
+    global _session, _running
+    _session, _running = current, running
+
+
+def session():
+    """The running session (started on first use): an opaque handle."""
+    return _session()
+
+
+def running_session():
+    """The running session, or None when none runs; starts nothing."""
+    return _running()
