@@ -52,7 +52,7 @@ from . import amp, optim  # noqa: E402,F401
 from . import profiler  # noqa: E402,F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 
-_frontend.install(sys.modules[__name__], nn.functional, Tensor)
+_frontend.install(sys.modules[__name__], nn.functional, Tensor, autograd.TENSOR_METHODS)
 
 
 def sync(compiles: bool = False) -> None:

@@ -15,9 +15,9 @@ other streams.
 
 Client -> controller (a batch of records):
     DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
-    Op, release (int), Fetch, Sync, Shutdown
+    Op (after a Recorded when autograd records it), release (int), Fetch, Sync, Shutdown
 Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait when it must wait
-    for other streams), Chain, release, HostFetch, Sync
+    for other streams; a Recorded passes through before it), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
 Controller -> host: Welcome (once, as a batch of one). Controller -> client: Fatal.
 Many machines (``launcher/node.py``, ``launcher/machines.py``): a node agent joins the main
@@ -38,6 +38,7 @@ host's events once the sync returns.
 from __future__ import annotations
 
 import ctypes
+from enum import IntEnum
 from typing import NamedTuple
 
 import msgpack
@@ -50,7 +51,8 @@ INPLACE = 1  # writes operand 0 and returns it
 VIEW = 2  # output aliases operand 0's storage
 IMPURE = 4  # must run even when nothing reads its outputs
 COMM = 8  # runs on the communication stream
-RECORD = 16  # autograd records it: the host keeps its autograd graph for the backward
+RECORD = 16  # autograd records it: the host keeps its autograd graph for the backward (each
+# call's Op comes after a Recorded record that says under which key)
 OVERWRITES = 32  # an INPLACE call that writes every element of operand 0 and reads none: it
 # runs on an operand 0 that carries a failure, and clears it (``stream.Blob.overwritable``)
 WRITES = 1 << 8  # WRITES << k: an INPLACE call also writes its operand k in place (``writes``)
@@ -65,8 +67,26 @@ def written(flags: int) -> tuple:
     """The operands besides operand 0 that a call with ``flags`` writes in place."""
     return tuple(k for k in range(flags.bit_length() - 8) if flags & (WRITES << k))
 
-STEP_PREFIX = "step:"  # DefineCall.op of a redistribute step ("step:all_gather"), not an operator
-VJP_PREFIX = "vjp:"  # DefineCall.op of a vector-Jacobian product ("vjp:<forward call id>")
+
+
+class CallKind(IntEnum):
+    """What a DefineCall defines, and so what its ``target`` is."""
+
+    OPERATOR = 0  # target: the registered operator's name ("add", "custom_op")
+    REDISTRIBUTE = 1  # target: None. The controller lowers it into steps: it never reaches a host
+    STEP = 2  # target: the redistribute step's kind ("all_gather"), a namespace of its own
+    VJP = 3  # target: the id of the forward call (an int) whose kept graph it differentiates
+
+
+def call_name(kind: int, target) -> str:
+    """How messages, graphs and traces name a call (a step as ``step:all_gather``)."""
+    if kind == CallKind.OPERATOR:
+        return target
+    if kind == CallKind.STEP:
+        return f"step:{target}"
+    if kind == CallKind.VJP:
+        return f"vjp:{target}"
+    return "redistribute"
 
 # tags
 DEFINE_MESH, DEFINE_SPEC, DEFINE_CALL, OP, FETCH, SYNC = range(6)
@@ -79,6 +99,7 @@ GRAPH = 40  # (GRAPH, directory or None): where the controller writes each batch
 NODE_JOIN, NODE_WELCOME, NODE_READY, NODE_BEAT, NODE_FAILURE, NODE_BYE = range(20, 26)
 STORE_REQUEST, STORE_REPLY, CLUSTER_QUERY, CLUSTER_INFO = range(26, 30)
 DEFINE_PROGRAM, REPLAY = 30, 31
+RECORDED = 32
 
 # the first frame of what the main controller sends a node agent: a batch it relays to its
 # hosts without decoding it, or a control record for the agent itself
@@ -122,11 +143,26 @@ class DefineCall(NamedTuple):
 
     tag: int
     id: int
-    op: str
+    target: object  # what ``kind`` says: an operator's or a step's name, a forward call's id
     inputs: list  # spec id per operand; 0 for a Python scalar (passed by value)
     outputs: list  # spec id per output
     static: bytes  # msgpack of the static args, decoded only by hosts (see pack_static)
     flags: int  # INPLACE, VIEW, IMPURE, COMM, RECORD, OVERWRITES, WRITES (above)
+    kind: int = CallKind.OPERATOR  # (last, so that an operator's record may leave it out)
+
+
+class Recorded(NamedTuple):
+    """Sent just before the Op of a call autograd records (a call with the RECORD flag): the
+    hosts keep the kernel's autograd graph under ``key`` (the tape node's id; its release drops
+    the graphs). ``needs``: the bits of the operands to differentiate, ``gathered``: of those
+    the graph must not keep (``runtime/vjp.py``), as ``wire_bits``. ``kernel``: the call's
+    first result id, which names the kernel it announces wherever the passes put the two."""
+
+    tag: int
+    kernel: int
+    key: int
+    needs: object
+    gathered: object
 
 
 class DefineProgram(NamedTuple):
@@ -157,6 +193,7 @@ class DefineProgram(NamedTuple):
 #         gets no blob: one host task runs them all (see controller/passes.fuse_chains).
 # Wait:   (WAIT, *streams)  the next Kernel first waits for the work queued so far on these
 #         streams (the host records an Event on each).
+# Recorded: announces the Kernel of a recorded call (see the class), as WAIT does a wait.
 
 
 # OP_STREAM holds an Op's graph until the controller assigns the stream; OP_OUTS: the first
@@ -176,7 +213,8 @@ def op_operands(rec, n_outs: int):
 
 def wire_bits(bits: int):
     """A bit set (an int) as a record carries it: an int while msgpack can pack one (63 bits),
-    bytes beyond (autograd's bits per operand of a call with more operands: ``stack`` of 70)."""
+    bytes beyond (a Recorded's bits per operand of a call with more operands: ``stack`` of
+    70)."""
     return bits if bits < 1 << 63 else bits.to_bytes((bits.bit_length() + 7) // 8, "little")
 
 

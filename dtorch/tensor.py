@@ -138,9 +138,12 @@ class Tensor:
                                "gradients")
         self._requires_grad = bool(value)
         if value:
-            from .autograd import tape  # (its state only; tape imports nothing from here)
+            self._starts_recording()
 
-            tape.active = True
+    def _starts_recording(self) -> None:
+        """What ``requires_grad = True`` also does: here nothing, as this module is below
+        autograd; autograd's method (``autograd.TENSOR_METHODS``, put here by
+        ``client/frontend.install``) makes every session record its calls from then on."""
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         self.requires_grad = requires_grad

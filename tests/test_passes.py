@@ -27,7 +27,7 @@ def make_graph(n_devices=2):
     g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])
     g.define([P.DEFINE_CALL, 1, "mul", [1, 0], [1], b"", 0])  # S0 * scalar
     g.define([P.DEFINE_CALL, 2, "add_", [1, 1], [1], b"", P.INPLACE])
-    g.define([P.DEFINE_CALL, 3, "redistribute", [1], [2], b"", 0])
+    g.define([P.DEFINE_CALL, 3, None, [1], [2], b"", 0, P.CallKind.REDISTRIBUTE])
     g.define([P.DEFINE_CALL, 4, "add", [2, 2], [2], b"", 0])
     return g
 
@@ -66,7 +66,7 @@ def test_redistribute_lowers_to_collective_on_the_comm_stream():
     g = make_graph()
     nodes = lower_redistribute(g, [op(g, 3, 11, 10)])
     # the step's call shape is defined to the hosts first
-    assert kinds(nodes) == [f"tag {P.DEFINE_CALL}", P.STEP_PREFIX + "all_gather"]
+    assert kinds(nodes) == [f"tag {P.DEFINE_CALL}", "step:all_gather"]
     nodes = assign_streams(g, nodes)
     assert nodes[1].stream == COMM_STREAM and nodes[1].waits is None
     # a compute kernel reading the gathered value waits for the comm stream once
@@ -111,7 +111,7 @@ READ, WRITE, MAKE, VIEW_OF = {"A": 11, "B": 11, "comm": 12}, {"A": 13, "B": 13, 
 def stream_graph():
     g = make_graph()
     g.define([P.DEFINE_CALL, 11, "mul", [1, 0], [1], b"", 0])
-    g.define([P.DEFINE_CALL, 12, P.STEP_PREFIX + "all_gather", [1], [1], b"", P.COMM])
+    g.define([P.DEFINE_CALL, 12, "all_gather", [1], [1], b"", P.COMM, P.CallKind.STEP])
     g.define([P.DEFINE_CALL, 13, "mul_", [1, 0], [1], b"", P.INPLACE])
     g.define([P.DEFINE_CALL, 14, "all_reduce_", [1], [1], b"", P.COMM | P.INPLACE])
     g.define([P.DEFINE_CALL, 15, "ones", [], [1], b"", 0])
@@ -303,7 +303,7 @@ def test_redistribute_steps_and_their_temporaries_are_ordered_across_streams():
     g.define([P.DEFINE_SPEC, 4, [4, 4], "float32", 3, ["S0", "R"]])
     g.define([P.DEFINE_SPEC, 5, [4, 4], "float32", 3, ["R", "S0"]])
     g.define([P.DEFINE_CALL, 24, "ones", [], [4], b"", 0])
-    g.define([P.DEFINE_CALL, 25, "redistribute", [4], [5], b"", 0])
+    g.define([P.DEFINE_CALL, 25, None, [4], [5], b"", 0, P.CallKind.REDISTRIBUTE])
     g.define([P.DEFINE_CALL, 26, "mul_", [4, 0], [4], b"", P.INPLACE])
     g.define([P.DEFINE_CALL, 27, "mul", [5, 0], [5], b"", 0])
     p = Program(g)
@@ -315,8 +315,8 @@ def test_redistribute_steps_and_their_temporaries_are_ordered_across_streams():
     nodes = [n for n in p.run() if isinstance(n, Operator)]
     assert [(n.call.op, n.stream, n.waits) for n in nodes] == [
         ("ones", STREAMS["B"], None),
-        (P.STEP_PREFIX + "all_gather", COMM_STREAM, [STREAMS["B"]]),
-        (P.STEP_PREFIX + "chunk", STREAMS["A"], [COMM_STREAM]),
+        ("step:all_gather", COMM_STREAM, [STREAMS["B"]]),
+        ("step:chunk", STREAMS["A"], [COMM_STREAM]),
         ("mul_", STREAMS["B"], [COMM_STREAM]),
         ("mul", STREAMS["B"], [STREAMS["A"]]),
     ]

@@ -35,7 +35,7 @@ def make_graph():
     g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])
     g.define([P.DEFINE_CALL, 1, "mul", [1, 0], [1], b"", 0])  # S0 * scalar
     g.define([P.DEFINE_CALL, 2, "add_", [1, 1], [1], b"", P.INPLACE])
-    g.define([P.DEFINE_CALL, 3, "redistribute", [1], [2], b"", 0])
+    g.define([P.DEFINE_CALL, 3, None, [1], [2], b"", 0, P.CallKind.REDISTRIBUTE])
     g.define([P.DEFINE_CALL, 4, "add", [1, 1], [1], b"", 0])
     g.define([P.DEFINE_CALL, 5, "transpose", [1], [1], b"", P.VIEW])
     g.define([P.DEFINE_CALL, 6, "mul", [2, 0], [2], b"", 0])  # R * scalar

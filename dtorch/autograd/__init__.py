@@ -31,6 +31,9 @@ enable_grad = torch.enable_grad
 inference_mode = torch.inference_mode
 set_grad_enabled = torch.set_grad_enabled
 is_grad_enabled = torch.is_grad_enabled
+# parameters gathered for the layer at hand, recorded so that the backward gathers them again
+# rather than keeping them (ZeRO-3: ``nn/fsdp.py``); see ``tape.gathered``
+gathered = tape.gathered
 
 __all__ = ["backward", "grad", "no_grad", "enable_grad", "inference_mode", "set_grad_enabled",
            "is_grad_enabled"]
@@ -114,3 +117,12 @@ def tensor_backward(self, gradient=None, retain_graph=None, create_graph=False,
     """``Tensor.backward``."""
     backward([self], None if gradient is None else [gradient], retain_graph, create_graph,
              inputs)
+
+
+def _starts_recording(tensor) -> None:
+    """``Tensor._starts_recording``: a tensor requires grad, so the tape records from now on."""
+    tape.start()
+
+
+# the methods autograd adds to Tensor (``client/frontend.install`` puts them there)
+TENSOR_METHODS = {"backward": tensor_backward, "_starts_recording": _starts_recording}

@@ -1,14 +1,17 @@
 """The tape: which calls made which tensors, and the backward pass that walks it in reverse.
 
-Recording. The client already knows every call's specs, so it records the calls it issues
-(``client/dispatch.issue``) while torch's grad mode is on (``torch.no_grad()`` and
-``torch.inference_mode()`` stop it, as decorators too) and an operand requires grad. The hosts run a
-recorded kernel with autograd on and keep its graph (``runtime/vjp.py``): what torch's autograd
-saves stays on the devices until the backward has used it. A ``Node`` keeps the leaves among
-the operands, a ``Ref`` (id, spec, node) of the others, its results' ids and specs, and the key
-of the kept graph; dropping the node releases the key. Automatic redistributions
-that an op's rule asks for are recorded as their own nodes, so an op's node always sees the
-layouts its kernel saw. Nothing is recorded before any tensor requires grad (``active``).
+Recording. The client already knows every call's specs, so the tape is a recorder the session
+holds (``Session.recorder``, a ``Recorder``): ``client/dispatch.issue`` hands it each call
+while torch's grad mode is on (``torch.no_grad()`` and ``torch.inference_mode()`` stop it, as
+decorators too), and it records those of which an operand requires grad. A recorded call's Op
+comes after a Recorded record (``protocol.Recorded``: the key of the kept graph, which operands
+to differentiate and which not to keep); the hosts run its kernel with autograd on and keep
+its graph (``runtime/vjp.py``): what torch's autograd saves stays on the devices until the
+backward has used it. A ``Node`` keeps the leaves among the operands, a ``Ref`` (id, spec,
+node) of the others, its results' ids and specs, and the key of the kept graph; dropping the
+node releases the key. Automatic redistributions that an op's rule asks for are recorded as
+their own nodes, so an op's node always sees the layouts its kernel saw. No session holds the
+recorder before a tensor requires grad (``start``): until then recording costs nothing.
 
 Backward. Nodes are visited latest first. An operator's node issues one VJP call
 (``runtime/vjp.py``: ``torch.autograd.grad`` of the kept graph on each device); a
@@ -36,14 +39,14 @@ import itertools
 
 import torch
 
-from ..client import session
+from .. import protocol as P
+from ..client import dispatch, session
 from ..buckets import Buckets, coalescing, laid_out
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
-from ..protocol import COMM, RECORD, VJP_PREFIX, wire_bits
+from ..protocol import COMM, RECORD, wire_bits
 from ..tensor import DTYPES, Tensor
 
-active = False  # True once a tensor has required grad: until then recording costs nothing
 _order = itertools.count()
 _SUM = Partial("sum")
 _REPLICATE = Replicate()
@@ -125,8 +128,8 @@ class Node:
 
 
 def needs_of(bound, operands):
-    """Called by ``dispatch.issue`` for every call while ``active``: which operands require
-    grad, when the call is to be recorded (grad mode on, one of them requires grad), else
+    """Called by ``dispatch.issue`` for every call while a session holds the tape: which
+    operands require grad, when the call is to be recorded (grad mode on, one of them requires grad), else
     None. An in-place call is never recorded: on a tensor with history it raises; on a leaf
     (an initialisation, an optimizer step) it is allowed, as under ``no_grad``."""
     if not torch.is_grad_enabled():
@@ -149,16 +152,22 @@ def needs_of(bound, operands):
                   for o in operands])
 
 
-def recorded_call(s, bound) -> int:
-    """The id of ``bound``'s call as autograd records it: the RECORD flag, and three more
-    operands (values): the tape node's key, under which the hosts keep the kernel's graph, the
-    bits of the operands that need a gradient (``needs_bits``) and of those the graph must not
-    keep (``gathered_bits``)."""
+def announce(s, bound, operands, needs, kernel: int):
+    """``(call id, key)`` of the call about to be issued, its first result ``kernel``, as
+    autograd records it: an operator's call with the RECORD flag, after the Recorded record
+    appended here, which tells the hosts to keep the kernel's graph under ``key`` (the tape
+    node's), and the bits of the operands that need a gradient (``needs_bits``) and of those
+    the graph must not keep (``gathered_bits``). A redistribute, and a communicating kernel
+    without ``comm_grad`` (its node refuses at backward), keep no graph: key None."""
+    op = bound.op
+    if op is None or not (op.comm_grad or not op.flags & COMM):
+        return bound.call_id, None
     if bound.recorded is None:
         name, inputs, outs, static, flags = bound.define
-        bound.recorded = s.define_call(name, (*inputs, int, int, int), outs, static,
-                                       flags | RECORD)
-    return bound.recorded
+        bound.recorded = s.define_call(name, inputs, outs, static, flags | RECORD)
+    key = next(s.ids)
+    s.append((P.RECORDED, kernel, key, needs_bits(needs), gathered_bits(operands)))
+    return bound.recorded, key
 
 
 def needs_bits(needs):
@@ -183,6 +192,24 @@ def record(bound, operands, outs, needs, key) -> None:
         if differentiable(t._spec):
             t._requires_grad = True
             t._node = node
+
+
+class Recorder:
+    """The tape as a session holds it (``Session.recorder``): what ``client/dispatch.issue``
+    calls for each call it issues (see there)."""
+
+    __slots__ = ()
+    needs_of = staticmethod(needs_of)
+    announce = staticmethod(announce)
+    record = staticmethod(record)
+
+
+RECORDER = Recorder()
+
+
+def start() -> None:
+    """A tensor requires grad: every session records from now on (``Tensor.requires_grad``)."""
+    session.install_recorder(RECORDER)
 
 
 class Gather:
@@ -263,7 +290,6 @@ def _vjp(node, grads, retain: bool = False) -> list:
         if source.is_leaf and coalescing(g._spec, _grad_spec(source)) is not None:
             return [g]  # (ZeRO-3's gathered parameters) a bucket reduces it (``_land``)
         return [laid_out(g, dual_spec(source._spec, "redistribute"))]
-    from ..client import dispatch
     name = node.op.name
     comm = node.op.flags & COMM
     if comm and not node.op.comm_grad or node.op.kernel is None:
@@ -282,8 +308,8 @@ def _vjp(node, grads, retain: bool = False) -> list:
     if bound is None:
         outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
         ins = (int, *grad_specs, *(node.operands[k]._spec for k in dropped))
-        call_id = s.define_call(VJP_PREFIX + str(node.call_id), ins, outs,
-                                (needs, retain, dropped), comm)  # a COMM kernel's communicates
+        call_id = s.define_call(node.call_id, ins, outs, (needs, retain, dropped),
+                                comm, P.CallKind.VJP)  # a COMM kernel's communicates
         bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * (len(ins) - 1))
     with torch.no_grad():
         result = dispatch.issue(s, bound, (node.key, *grads, *regathered), s.site())

@@ -5,6 +5,13 @@ args, each operand's interned spec or Python type). A hit costs a dict lookup, n
 tuple append. A miss runs ``bind``: the metadata rule (torch on meta tensors, or the entry's own),
 the placement rule, the automatic redistributions the rule asks for, and one DefineCall record.
 Errors therefore raise here, at the user's line, before anything is sent.
+
+A session may hold a recorder (``Session.recorder``: autograd's tape, once a tensor requires
+grad), which ``issue`` hands every call: ``needs_of(bound, operands)`` says which operands need
+a gradient, or None when the call is not recorded; ``announce(session, bound, operands, needs,
+first result id)`` gives the id of the call as recorded and the key of what the hosts keep,
+having appended the record that announces it; ``record(bound, operands, results, needs, key)``
+follows the call's Op. Without a recorder a call costs one attribute test more.
 """
 
 from __future__ import annotations
@@ -14,11 +21,10 @@ import sys
 import torch
 
 from .. import protocol as P
-from ..autograd import tape
 from ..current import current_graph, per_thread
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
-from ..ops.registry import COMM, INPLACE, freeze, lookup
+from ..ops.registry import INPLACE, freeze, lookup
 from ..ops.rules import Call, inplace_error
 from ..placement import Replicate, normalize_placements
 from ..spec import intern_spec
@@ -32,7 +38,7 @@ _new = object.__new__
 
 class Bound:
     """A call shape whose metadata and placements are known: what a cache hit needs. ``op``:
-    the entry (None for a redistribute), for autograd's record."""
+    the entry (None for a redistribute), for the recorder."""
 
     __slots__ = ("call_id", "outs", "mask", "pre", "post", "inplace", "single", "plain", "op",
                  "define", "recorded")
@@ -44,7 +50,7 @@ class Bound:
         self.single = len(outs) == 1
         self.plain = self.single and not pre and not post and not inplace
         self.op = op
-        # autograd: the DefineCall's arguments, for the recorded variant (``tape``), made once
+        # the DefineCall's arguments, for the recorder's variant of the call, made once
         self.define, self.recorded = define, None
 
 
@@ -83,7 +89,7 @@ def dispatch(op, operands: tuple, static: tuple, depth: int = 2):
             return dispatch(op, *sent)
         bound = s.bound[key] = bind(s, op, operands, static)
     site = s.site(depth)
-    if bound.plain and not tape.active:  # ``issue``'s usual case, inlined: it saves 10% a call
+    if bound.plain and s.recorder is None:  # ``issue``'s usual case, inlined: saves 10% a call
         t = _new(Tensor)
         t._id, t._spec = next(s.ids), bound.outs[0]
         s.append((_OP, bound.call_id, site, per_thread.graph_id, t._id,
@@ -110,28 +116,26 @@ def issue(s, b: Bound, operands, site: int):
             operands[k] = issue(s, rb, (operands[k],), site)
     vals = _wire_operands(operands, b.mask)
     call_id, ids, graph = b.call_id, s.ids, per_thread.graph_id
-    needs = tape.needs_of(b, operands) if tape.active else None
+    recorder = s.recorder
+    needs = None if recorder is None else recorder.needs_of(b, operands)
     if b.inplace:
         target = operands[0]
         s.append((P.OP, call_id, site, graph, target._id, *vals))
         return target
-    key = None
-    if needs is not None and b.op is not None and (b.op.comm_grad or not b.op.flags & COMM):
-        # the hosts keep the kernel's graph under key (a communicating kernel without
-        # comm_grad has no VJP: its node refuses at backward, and keeps no graph meanwhile)
-        key = next(ids)
-        call_id = tape.recorded_call(s, b)
-        vals = (*vals, key, tape.needs_bits(needs), tape.gathered_bits(operands))
     if b.single:
         t = symbol(next(ids), b.outs[0])
+        if needs is not None:
+            call_id, key = recorder.announce(s, b, operands, needs, t._id)
         s.append((P.OP, call_id, site, graph, t._id, *vals))
         if needs is not None:
-            tape.record(b, operands, (t,), needs, key)
+            recorder.record(b, operands, (t,), needs, key)
         return issue(s, b.post[0], (t,), site) if b.post else t
     outs = [symbol(next(ids), spec) for spec in b.outs]
+    if needs is not None:
+        call_id, key = recorder.announce(s, b, operands, needs, outs[0]._id)
     s.append((P.OP, call_id, site, graph, *[t._id for t in outs], *vals))
     if needs is not None:
-        tape.record(b, operands, outs, needs, key)
+        recorder.record(b, operands, outs, needs, key)
     if b.post:
         outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)
@@ -319,10 +323,10 @@ def bind(s, op, operands, static) -> Bound:
 
 
 def bind_redistribute(s, src, dst) -> Bound:
-    key = ("redistribute", src, dst)
+    key = (P.CallKind.REDISTRIBUTE, src, dst)
     bound = s.bound.get(key)
     if bound is None:
-        call_id = s.define_call("redistribute", (src,), (dst,), (), 0)
+        call_id = s.define_call(None, (src,), (dst,), (), 0, P.CallKind.REDISTRIBUTE)
         bound = s.bound[key] = Bound(call_id, (dst,), (True,))
     return bound
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .. import autograd, current
+from .. import current
 from ..ops.creation import size_arg
 from ..ops.registry import REGISTRY, plug_dispatch
 from . import session
@@ -84,7 +84,6 @@ RUNTIME_METHODS = {
     "to_torch_async": session.fetch,
     "redistribute": redistribute,
     "__del__": session.release,
-    "backward": autograd.tensor_backward,
 }
 
 
@@ -96,9 +95,10 @@ def place_late(op) -> None:
     place(op, op.front, *_targets)
 
 
-def install(module, functional, tensor_cls) -> None:
+def install(module, functional, tensor_cls, methods=None) -> None:
     """Adds every registered operator's front (see ``place``): the entry's own where it has
-    one, else the one generated from its signature; then the runtime's methods of Tensor. This
+    one, else the one generated from its signature; then the runtime's methods of Tensor, and
+    ``methods`` (name -> function: those of the layers above the client, autograd's). This
     is the only place that adds to ``dtorch``, ``dtorch.nn.functional`` and ``Tensor``."""
     global _targets
     _targets = (module, functional, tensor_cls)
@@ -106,5 +106,5 @@ def install(module, functional, tensor_cls) -> None:
     current.plug_session(session.current, session.running)
     for op in REGISTRY.values():
         place(op, op.front or generate(op), module, functional, tensor_cls)
-    for name, fn in RUNTIME_METHODS.items():
+    for name, fn in {**RUNTIME_METHODS, **(methods or {})}.items():
         setattr(tensor_cls, name, fn)

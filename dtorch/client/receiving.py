@@ -1,5 +1,6 @@
 """The receiver thread's half of a ``Session`` (``client/session.py``): every message from the
-controller. Values complete their TensorFutures as their pieces arrive, kernel errors wait for
+controller, handled by a table from tag to handler (``Receiving.HANDLERS``). Values complete
+their TensorFutures as their pieces arrive, kernel errors wait for
 the user's next wait (each failed kernel once, however many devices report it), a Fatal or the
 controller's death or silence fails the runtime. The thread alone uses the results socket, and
 closes it when it stops.
@@ -69,52 +70,70 @@ class Receiving:
         return True
 
     def _handle(self, msg, data) -> None:
-        tag = msg[0]
-        if tag == P.VALUE:
-            _, request, coord, shape, dtype = msg
-            entry = self.pending.get(request)
-            if entry is None:  # another piece already failed the fetch
-                return
-            future, spec, pieces = entry
-            pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
-            if len(pieces) == piece_count(spec):
-                del self.pending[request]
-                try:
-                    future._finish(assemble(spec, pieces))
-                except Exception as e:  # noqa: BLE001 - hand it to the waiter
-                    future._finish(error=e)
-        elif tag == P.FETCH_FAILED:
-            _, request, site, op, message = msg
-            entry = self.pending.pop(request, None)
-            if entry:
-                entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
-        elif tag == P.KERNEL_ERROR:
-            _, site, op, message, kernel = msg
-            if kernel in self.reported:  # another device's report of a failure already seen
-                return
-            self.reported[kernel] = None
-            if len(self.reported) > MAX_REPORTED:
-                del self.reported[next(iter(self.reported))]
-            text = self._describe(site, op, message)
-            self.failures.setdefault(site, text)
-            with self._errors_lock:
-                if text not in self.errors:
-                    if len(self.errors) < MAX_ERRORS:
-                        self.errors.append(text)
-                    else:
-                        self.more_errors += 1
-        elif tag == P.TRACE_EVENTS:
-            received = self.traces.get(msg[1])
-            if received is not None:
-                received.append(msg)
-        elif tag == P.SYNCED:
-            entry = self.pending.pop(msg[1], None)
-            if entry:
-                entry[0]._finish(None)
-        elif tag == P.FATAL:
-            fatal = P.Fatal(*msg)
-            broke = [P.KernelError(*e) for e in fatal.broke]
-            self._die(fatal.message, [self._describe(e.site, e.op, e.message) for e in broke])
+        handler = self.HANDLERS.get(msg[0])
+        if handler is not None:  # (a message of another version's tag is left alone)
+            handler(self, msg, data)
+
+    def _on_value(self, msg, data) -> None:
+        _, request, coord, shape, dtype = msg
+        entry = self.pending.get(request)
+        if entry is None:  # another piece already failed the fetch
+            return
+        future, spec, pieces = entry
+        pieces[tuple(coord)] = _tensor_from(data[0], shape, dtype)
+        if len(pieces) == piece_count(spec):
+            del self.pending[request]
+            try:
+                future._finish(assemble(spec, pieces))
+            except Exception as e:  # noqa: BLE001 - hand it to the waiter
+                future._finish(error=e)
+
+    def _on_fetch_failed(self, msg, data) -> None:
+        _, request, site, op, message = msg
+        entry = self.pending.pop(request, None)
+        if entry:
+            entry[0]._finish(error=RuntimeError(self._describe(site, op, message)))
+
+    def _on_kernel_error(self, msg, data) -> None:
+        _, site, op, message, kernel = msg
+        if kernel in self.reported:  # another device's report of a failure already seen
+            return
+        self.reported[kernel] = None
+        if len(self.reported) > MAX_REPORTED:
+            del self.reported[next(iter(self.reported))]
+        text = self._describe(site, op, message)
+        self.failures.setdefault(site, text)
+        with self._errors_lock:
+            if text not in self.errors:
+                if len(self.errors) < MAX_ERRORS:
+                    self.errors.append(text)
+                else:
+                    self.more_errors += 1
+
+    def _on_trace_events(self, msg, data) -> None:
+        received = self.traces.get(msg[1])
+        if received is not None:
+            received.append(msg)
+
+    def _on_synced(self, msg, data) -> None:
+        entry = self.pending.pop(msg[1], None)
+        if entry:
+            entry[0]._finish(None)
+
+    def _on_fatal(self, msg, data) -> None:
+        fatal = P.Fatal(*msg)
+        broke = [P.KernelError(*e) for e in fatal.broke]
+        self._die(fatal.message, [self._describe(e.site, e.op, e.message) for e in broke])
+
+    # what the receiver does with each message from the controller, by tag
+    HANDLERS = {
+        P.VALUE: _on_value,
+        P.FETCH_FAILED: _on_fetch_failed,
+        P.KERNEL_ERROR: _on_kernel_error,
+        P.TRACE_EVENTS: _on_trace_events,
+        P.SYNCED: _on_synced,
+        P.FATAL: _on_fatal,
+    }
 
     def _describe(self, site: int, op: str | None, message: str | None) -> str:
         where = self.site_names[site] if 0 <= site < len(self.site_names) else "<runtime>"

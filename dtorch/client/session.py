@@ -55,6 +55,7 @@ _lock = threading.Lock()
 _tensor_ids = itertools.count(1)
 MARKS = 4  # flow-control marks in flight at most (see the module docstring)
 _STOP = object()  # the sender's last item: it closes the socket
+_recorder = None  # what a new session's ``recorder`` is (``install_recorder``)
 log = logging.getLogger("dtorch")
 
 
@@ -105,6 +106,16 @@ def release_id(tensor_id: int) -> None:
         if not records:
             s.wake()
         records.append(tensor_id)
+
+
+def install_recorder(recorder) -> None:
+    """Every session from now on, the current one included, hands its calls to ``recorder``
+    (``Session.recorder``: autograd's tape installs itself once a tensor requires grad)."""
+    global _recorder
+    _recorder = recorder
+    s = _current
+    if s is not None:
+        s.recorder = recorder
 
 
 def shutdown() -> None:
@@ -162,7 +173,10 @@ class Session(Receiving):
         self.bound: dict = {}  # call key -> dispatch.Bound
         self.spec_ids: dict = {}
         self.mesh_ids: dict = {}
-        self.call_defs: list = []  # (operator name, how many results) per call template
+        self.call_defs: list = []  # (call's name, how many results) per call template
+        # autograd's tape once a tensor requires grad (``install_recorder``): the hot path's
+        # one test (``dispatch``), None while nothing is recorded
+        self.recorder = _recorder
         self.unsent_ids: dict = {}  # id -> why: results of records that could not be sent
         self._flush_lock = threading.Lock()  # one batch taken and handed over at a time
         self._define_lock = threading.RLock()  # see the module docstring (define_call nests)
@@ -337,17 +351,19 @@ class Session(Receiving):
                 self._tell_next_call(f"dtorch's flusher failed: {type(e).__name__}: {e}")
 
     # -- definitions (sent once per session) ----------------------------------------------------
-    def define_call(self, op_name: str, inputs, outputs, static: tuple, flags: int) -> int:
-        """The id of a new call template: operand specs (a Python type for a scalar), output
-        specs, the static args that travel, the op's flags."""
+    def define_call(self, target, inputs, outputs, static: tuple, flags: int,
+                    kind: P.CallKind = P.CallKind.OPERATOR) -> int:
+        """The id of a new call template: its ``target`` (an operator's name, for ``kind``
+        OPERATOR), operand specs (a Python type for a scalar), output specs, the static args
+        that travel, the op's flags."""
         blob = P.pack_static(static)  # first: a static arg that cannot be sent raises, unsent
         with self._define_lock:
             inputs = [self.spec_id(i) if not isinstance(i, type) else 0 for i in inputs]
             outputs = [self.spec_id(o) for o in outputs]
             call_id = len(self.call_defs) + 1
-            self.append(P.DefineCall(P.DEFINE_CALL, call_id, op_name, inputs, outputs, blob,
-                                     flags))
-            self.call_defs.append((op_name, len(outputs)))
+            self.append(P.DefineCall(P.DEFINE_CALL, call_id, target, inputs, outputs, blob,
+                                     flags, kind))
+            self.call_defs.append((P.call_name(kind, target), len(outputs)))
         return call_id
 
     def spec_id(self, spec) -> int:

@@ -18,7 +18,7 @@ from ..spec import MeshInfo
 
 class CallInfo(NamedTuple):
     id: int
-    op: str
+    op: str  # its name in graphs and messages (``P.call_name``); what it is: ``kind``
     inputs: tuple  # spec ids (0: a Python scalar)
     outputs: tuple
     static: bytes
@@ -28,15 +28,16 @@ class CallInfo(NamedTuple):
     # for replay.shape_of, unpacked at once: (reads, the scalar operands' places, the place
     # after the results, which begin at P.OP_OUTS)
     places: tuple
+    kind: int  # P.CallKind
 
     @classmethod
     def from_record(cls, rec, scope: int) -> CallInfo:
-        _, i, op, inputs, outputs, static, flags = rec
+        _, i, target, inputs, outputs, static, flags, kind = P.DefineCall(*rec)
         first = P.OP_OUTS + len(outputs)
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
         scalars = tuple(first + k for k, s in enumerate(inputs) if not s)
-        return cls(i, op, tuple(inputs), tuple(outputs), static, flags, reads, scope,
-                   (reads, scalars, first))
+        return cls(i, P.call_name(kind, target), tuple(inputs), tuple(outputs), static, flags,
+                   reads, scope, (reads, scalars, first), kind)
 
 
 class Operator:
@@ -109,7 +110,7 @@ class LogicalGraph:
         elif tag == P.DEFINE_CALL:
             c = P.DefineCall(*rec)
             self.calls[c.id] = CallInfo.from_record(rec, self.scope((*c.inputs, *c.outputs)))
-            if c.op == "redistribute":  # lowered here, never sent
+            if c.kind == P.CallKind.REDISTRIBUTE:  # lowered here, never sent
                 return
         self.definitions.append(rec)
 
@@ -133,13 +134,13 @@ class LogicalGraph:
 
     def step_call(self, kind: str, src_id: int, dst_id: int, static: bytes, flags: int,
                   out: list) -> CallInfo:
-        """The call shape of one redistribute step. Steps travel as ``P.STEP_PREFIX + kind``,
-        a namespace of their own: a step is not an operator (``chunk`` is both)."""
+        """The call shape of one redistribute step. Steps travel as calls of kind STEP, a
+        namespace of their own: a step is not an operator (``chunk`` is both)."""
         key = (kind, src_id, dst_id, static)
         call = self.step_calls.get(key)
         if call is None:
-            rec = P.DefineCall(P.DEFINE_CALL, next(self._call_ids), P.STEP_PREFIX + kind,
-                               [src_id], [dst_id], static, flags)
+            rec = P.DefineCall(P.DEFINE_CALL, next(self._call_ids), kind, [src_id], [dst_id],
+                               static, flags, P.CallKind.STEP)
             self.define(rec)
             out.append(rec)
             call = self.step_calls[key] = self.calls[rec.id]

@@ -170,7 +170,8 @@ class Controller:
                     elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
                         self.fatal(error)
                         return
-                if rec[0] != P.DEFINE_CALL or P.DefineCall(*rec).op != "redistribute":
+                if rec[0] != P.DEFINE_CALL or (
+                        P.DefineCall(*rec).kind != P.CallKind.REDISTRIBUTE):
                     definitions.append(rec)
             elif rec[0] == P.SYNC:
                 self.syncs[P.Sync(*rec).token] = set(self.peers())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgpack
 
 from .. import protocol as P
-from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW, WRITES, written
+from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW, WRITES, CallKind, written
 from ..placement import Replicate
 from ..redistribute import COMM_STEPS, plan_redistribute
 from ..spec import intern_spec
@@ -33,13 +33,13 @@ def lower_redistribute(graph, nodes: list) -> list:
     The batch's definitions move to its front. The controller registers all of them before the
     passes run, so a spec a plan passes through may already carry the id of a spec the client
     defines later in the batch; the hosts must have it before the step that uses it."""
-    if not any(type(n) is Operator and n.call.op == "redistribute" for n in nodes):
+    if not any(type(n) is Operator and n.call.kind == CallKind.REDISTRIBUTE for n in nodes):
         return nodes
     out = [node for node in nodes if P.is_definition(node)]
     for node in nodes:
         if P.is_definition(node):
             continue
-        if not (isinstance(node, Operator) and node.call.op == "redistribute"):
+        if not (isinstance(node, Operator) and node.call.kind == CallKind.REDISTRIBUTE):
             out.append(node)
             continue
         src, dst = graph.specs[node.call.inputs[0]], graph.specs[node.call.outputs[0]]
@@ -386,6 +386,8 @@ def fuse_chains(graph, nodes: list) -> list:
         elif type(node) is int and chain:
             if node not in links:  # internal links' releases are dropped: they have no blob
                 held.append(node)
+        elif type(node) is not int and node[0] == P.RECORDED:
+            out.append(node)  # it names its kernel: it goes ahead of the chain holding it
         else:
             close()
             out.append(node)

@@ -310,8 +310,7 @@ class Replayer:
                 if ok is None:
                     call = self.graph.calls[r[P.OP_CALL]]
                     ok = fit[call.id] = not (call.flags & (COMM | RECORD)
-                                             or call.op == "redistribute"
-                                             or call.op.startswith(P.VJP_PREFIX))
+                                             or call.kind != P.CallKind.OPERATOR)
                 if not ok:
                     return None
         return graph

@@ -95,7 +95,7 @@ class Reports:
 def collective_names(calls) -> frozenset:
     """The names under which hosts report the failure of a collective, of the call shapes
     ``calls`` (CallInfo by id): a COMM call's op (a redistribute step, ``step:all_gather``, or an
-    operator that runs collectives), and its backward's (``runtime/host.py`` names a VJP's
+    operator that runs collectives), and its backward's (``runtime/calls.py`` names a VJP's
     failure after its forward)."""
     names = {c.op for c in calls.values() if c.flags & P.COMM}
     return frozenset(names | {f"{name} (backward)" for name in names})

@@ -11,7 +11,7 @@ parameters; the replicated blocks are freed. Cast or move the model (``Module.to
 new Parameters) before ``fully_shard``, and build the optimizer after it.
 
 **When what is gathered.** A forward pre-hook puts, at each slot that registers a managed
-parameter, what ``tape.gathered`` makes of the group: each parameter laid out as before
+parameter, what ``autograd.gathered`` makes of the group: each parameter laid out as before
 ``fully_shard``, the group's parameters joined in one all-gather on ``dp``
 (``all_gather_coalesced``, one per 4 MB of shards), issued as the module is called; the forward
 hook puts the sharded Parameters back, so the client drops the gathered tensors once the
@@ -55,7 +55,7 @@ import weakref
 
 import torch
 
-from ..autograd.tape import gathered
+from ..autograd import gathered
 from ..placement import Replicate, Shard
 from ..tensor import Tensor
 

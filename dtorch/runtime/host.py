@@ -30,84 +30,16 @@ from torch._C._distributed_c10d import FileStore
 
 from .. import config, kernels, protocol as P  # noqa: F401  (importing kernels registers them)
 from ..launcher import auth, local
-from ..ops import registry
 from ..spec import MeshInfo, coordinate_of
-from .collectives import STEP_KERNELS, is_hop
 from . import cpu_memory
-from .context import KernelContext
+from .calls import HostCall
 from .devices import Device
 from .execute import PREV, KernelRun
 from .failures import Failure, tell
 from .fusion import Fuser
 from .program import HostProgram, ProgramRun
 from .stream import Blob, Event, Recorder
-from .vjp import Saved, recording, vjp
-
-
-class HostCall:
-    """A call shape as this host runs it: the kernel, its static kwargs, and the local devices
-    taking part (those of the result's mesh, plus the source mesh's for a move)."""
-
-    __slots__ = ("name", "fn", "uses_context", "in_specs", "out_specs", "kwargs", "inplace",
-                 "mask", "all_tensors", "devices", "out_devices", "contexts", "comm", "n_out",
-                 "comm_dims", "receive_only", "saves", "reads_saved", "hop", "overwrites",
-                 "view")
-
-    def __init__(self, host: Host, rec):
-        _, _, name, inputs, outputs, static, flags = rec
-        step = STEP_KERNELS[name[len(P.STEP_PREFIX):]] if name.startswith(P.STEP_PREFIX) else None
-        self.in_specs = [host.specs[i] if i else None for i in inputs]
-        if step is not None:
-            self.fn, self.uses_context, kwargs = step, True, {"mesh_dim": P.unpack(static)[0]}
-            self.comm_dims = (kwargs["mesh_dim"],)
-        elif name.startswith(P.VJP_PREFIX):
-            forward = host.calls[int(name[len(P.VJP_PREFIX):])]
-            needs, retain, dropped = P.unpack_static(static)
-            self.fn, self.uses_context = vjp, True
-            kwargs = {"needs": tuple(needs), "retain": retain, "dropped": tuple(dropped)}
-            self.comm_dims = forward.comm_dims
-            name = f"{forward.name} (backward)"  # how its errors name it
-        else:
-            op = registry.lookup(name)
-            self.fn, self.uses_context = op.kernel, op.uses_context
-            kwargs = dict(zip(P.wire_names(op.static_names), P.unpack_static(static)))
-            first = next((s for s in self.in_specs if s is not None), None)
-            self.comm_dims = (tuple(op.comm_dims(self.in_specs, **kwargs)) if op.comm_dims
-                              else tuple(range(len(first.mesh.shape))) if first else ())
-        # autograd: a recorded call keeps its graph (its last three operands: the key, the bits
-        # of the operands to differentiate and of those not to keep), a VJP reads one (its
-        # first operand: the key)
-        self.saves = bool(flags & P.RECORD)
-        self.reads_saved = name.endswith(" (backward)")
-        if self.saves:  # the kernel and its context see the operands without key and bits
-            self.fn, self.uses_context = recording(self.fn, self.uses_context), True
-            self.in_specs = self.in_specs[:-3]
-        self.name, self.kwargs = name, kwargs
-        self.out_specs = [host.specs[i] for i in outputs]
-        self.n_out = len(outputs)
-        self.mask = [bool(i) for i in inputs]
-        self.all_tensors = all(self.mask)
-        self.inplace = bool(flags & P.INPLACE)
-        self.overwrites = bool(flags & P.OVERWRITES)  # a failed operand 0 does not stop it
-        self.view = bool(flags & P.VIEW)
-        self.comm = bool(flags & P.COMM)  # a collective: its peers rely on it taking part
-        meshes = [s.mesh for s in self.out_specs] + [s.mesh for s in self.in_specs if s]
-        self.out_devices = host.local_devices(self.out_specs[0].mesh) if self.out_specs else []
-        self.devices = list({d.index: d for m in meshes for d in host.local_devices(m)}.values())
-        # a move's devices outside the source mesh read nothing: see Host.on_chain
-        is_move = name == P.STEP_PREFIX + "move"
-        self.receive_only = frozenset(
-            set(self.out_specs[0].mesh.devices) - set(self.in_specs[0].mesh.devices)
-            if is_move else ())
-        self.hop = is_move and is_hop(self.in_specs[0], self.out_specs[0])
-        self.contexts: dict = {}
-
-    def context(self, device: Device):
-        ctx = self.contexts.get(device.index)
-        if ctx is None:
-            ctx = self.contexts[device.index] = KernelContext(device, self.in_specs,
-                                                              self.out_specs)
-        return ctx
+from .vjp import Saved
 
 
 class Host:
@@ -133,6 +65,7 @@ class Host:
         self.devices: dict = {}  # local device index -> Device
         self.owners: dict = {}  # tensor id -> local devices holding a blob of it
         self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
+        self.recorded: dict = {}  # a recorded kernel's first result id -> (key, needs, gathered)
         self.programs: dict = {}  # replayed window shapes (runtime/program.py)
         self.fuser = Fuser(self)  # their hot stretches, compiled (runtime/fusion.py)
         self._local: dict = {}  # mesh id -> local Devices
@@ -201,6 +134,10 @@ class Host:
     def on_wait(self, rec) -> None:
         self.waits = P.items(rec)  # the streams the next kernel waits for
 
+    def on_recorded(self, rec) -> None:
+        r = P.Recorded(*rec)
+        self.recorded[r.kernel] = (r.key, P.bits_of(r.needs), P.bits_of(r.gathered))
+
     def on_kernel(self, rec) -> None:
         self.on_chain((P.CHAIN, rec))
 
@@ -238,6 +175,10 @@ class Host:
                 stream.put(lambda events=events: [e.wait() for e in events])
             else:
                 stream.put(KernelRun(steps, outputs, events, self, outs[0] if outs else 0))
+        if self.recorded:  # each device has made its slot: the announcements are used
+            for c, m in members:
+                if c.saves:
+                    del self.recorded[m[P.OP_OUTS]]
 
     def on_define_program(self, rec) -> None:
         self.programs[P.DefineProgram(*rec).id] = HostProgram(self, rec)
@@ -293,20 +234,22 @@ class Host:
             inputs = [(PREV if o == prev else blobs.get(o)) if m else o
                       for o, m in zip(operands, call.mask)]
         if call.saves or call.reads_saved:
-            inputs = self.saved_slots(call, dev, inputs)
+            inputs = self.saved_slots(call, dev, inputs, rec)
         if None in inputs:
             inputs = self.check_inputs(call, dev, inputs, operands, rec[P.OP_SITE])
         return inputs
 
-    def saved_slots(self, call: HostCall, dev: Device, inputs) -> list:
-        """A recorded call's key operand becomes a new Saved slot, a VJP's the slot its
-        forward filled: slots are made and found here, in program order, so a release of the
-        key (``on_release``) can never come before the kernel that fills it."""
-        inputs = list(inputs)
+    def saved_slots(self, call: HostCall, dev: Device, inputs, rec) -> list:
+        """A recorded call gets a new Saved slot, and the bits of the operands to differentiate
+        and not to keep (``vjp.recording``), after its operands, from its Recorded record; a
+        VJP's key operand becomes the slot its forward filled. Slots are made and found here,
+        in program order, so a release of the key (``on_release``) can never come before the
+        kernel that fills it."""
         if call.saves:
-            key, slot = inputs[-3], Saved()
-            inputs[-3] = self.graphs.setdefault(key, {})[dev.index] = slot
-            return inputs
+            (key, needs, gathered), slot = self.recorded[rec[P.OP_OUTS]], Saved()
+            self.graphs.setdefault(key, {})[dev.index] = slot
+            return [*inputs, slot, needs, gathered]
+        inputs = list(inputs)
         key, retain = inputs[0], call.kwargs["retain"]
         table = self.graphs.get(key, {})
         inputs[0] = table.get(dev.index) if retain else table.pop(dev.index, None)
@@ -421,6 +364,7 @@ class Host:
         P.KERNEL: on_kernel,
         P.CHAIN: on_chain,
         P.WAIT: on_wait,
+        P.RECORDED: on_recorded,
         P.FETCH: on_fetch,
         P.SYNC: on_sync,
         P.WELCOME: on_welcome,

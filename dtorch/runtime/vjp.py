@@ -3,14 +3,15 @@ that no derivative formula is written twice.
 
 A call autograd records (``protocol.RECORD``) runs its kernel with the operands the client
 differentiates as autograd leaves, keeps the graph in a ``Saved`` slot of the host (keyed by the
-tape node's id; the id and two bit sets of operands travel as the call's last three
-operands), and stores detached results as blobs, so that later kernels build no graph on them.
-Its VJP call (``protocol.VJP_PREFIX`` + the forward call's id) takes that key and one gradient
+tape node's id; the id and two bit sets of operands travel in the ``protocol.Recorded`` record
+that announces the kernel, and the host passes the slot and the bits after the operands), and
+stores detached results as blobs, so that later kernels build no graph on them. Its VJP call
+(kind ``protocol.CallKind.VJP``, of the forward call's id) takes that key and one gradient
 block per forward result, and returns ``torch.autograd.grad`` of the kept graph for the operands
 ``needs`` marks. What the graph keeps is what torch's autograd saves; it is freed when the VJP
 has run (unless ``retain``), or when the client drops the tape node (the key's release).
 
-Gathered operands (``autograd.tape.gathered``: ZeRO-3's whole parameters) are the exception: the
+Gathered operands (``autograd.gathered``: ZeRO-3's whole parameters) are the exception: the
 graph keeps no reference to their blocks (torch's saved-tensor hooks keep the view's geometry
 instead), so the blocks go when the layer is done with them; the VJP receives the operand
 gathered again and the saved views are rebuilt on it.
@@ -26,8 +27,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from ..protocol import bits_of
 
 
 class Saved:
@@ -57,7 +56,6 @@ def recording(fn, uses_context: bool):
 
     def run(ctx, *args, **kwargs):
         *inputs, slot, needs, dropped = args
-        needs, dropped = bits_of(needs), bits_of(dropped)
         leaves = [_leaf(x) if needs >> k & 1 else x for k, x in enumerate(inputs)]
         with torch.enable_grad(), _dropping(slot, leaves, dropped):
             out = fn(ctx, *leaves, **kwargs) if uses_context else fn(*leaves, **kwargs)
