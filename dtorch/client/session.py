@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import logging
 import os
 import queue
 import signal
@@ -41,7 +40,7 @@ from collections import deque
 import zmq
 import zmq.utils.garbage  # (see _send_frames: imported before atexit.register below)
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from ..cluster import auth, local
 from ..future import TensorFuture
 from .receiving import Receiving
@@ -54,7 +53,7 @@ _lock = threading.Lock()
 _tensor_ids = itertools.count(1)
 MARKS = 4  # flow-control marks in flight at most (see the module docstring)
 _STOP = object()  # the sender's last item: it closes the socket
-log = logging.getLogger("dtorch")
+log = logs.client
 
 
 def current() -> Session:
@@ -132,6 +131,7 @@ atexit.register(_at_exit)
 class Session(Receiving):
     def __init__(self):
         self.records = deque()
+        self.flush_at = config.flush_records  # a batch's size, read as it begins (append)
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         self.requests = itertools.count(1)
         self.call_sites = CallSites()
@@ -174,7 +174,8 @@ class Session(Receiving):
         self.results = self.ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
         results_addr = _bind(self.results, keys)
-        self.controller = local.start_controller(ops_addr, results_addr, keys)
+        self.controller = local.start_controller(ops_addr, results_addr, keys,
+                                                   config.RuntimeFacts(config.cpu_hosts))
         # torch imports its meta kernels (hundreds of modules, about a second) on first use;
         # do that while the controller starts rather than at the user's first operator
         # (not a daemon: one still inside torch's import when the interpreter exits aborts it)
@@ -192,8 +193,9 @@ class Session(Receiving):
         records = self.records
         if not records:
             self.wake()
+            self.flush_at = config.flush_records  # read once a batch: a knob read costs a call
         records.append(record)
-        if len(records) >= config.flush_records:
+        if len(records) >= self.flush_at:
             self.flush()
 
     def wake(self) -> None:

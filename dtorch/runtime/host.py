@@ -22,7 +22,6 @@ import argparse
 import collections
 import datetime
 import os
-import sys
 import threading
 import time
 import traceback
@@ -31,8 +30,8 @@ import torch
 import zmq
 from torch._C._distributed_c10d import AllreduceOptions, FileStore, ReduceOp
 
-from .. import config, protocol as P
-from ..cluster import auth, local
+from .. import config, logs, protocol as P
+from ..cluster import auth
 from ..ops import registry  # importing ops registers every operator's kernel
 from ..spec import MeshInfo, coordinate_of, span_devices
 from .collectives import STEP_KERNELS, hop, is_hop
@@ -43,13 +42,15 @@ from .program import Program, ProgramRun
 from .stream import Blob, Event, Memory, Recorder, Stream
 from .vjp import ForwardFailed, Saved, recording, vjp
 
+log = logs.host
+
+
 class Device:
     def __init__(self, host: Host, index: int, device_type: str):
         self.host, self.index = host, index
         # a GPU's ordinal is its index on its own machine (device ids count machine by machine)
-        first = config.machine_devices[0] if config.machine_devices else 0
         self.torch_device = torch.device("cpu") if device_type == "cpu" else torch.device(
-            "cuda", index - first)
+            "cuda", index - host.facts.first_device())
         self.streams: dict = {}
         self.blobs: dict = {}
         # the bytes its blobs hold (a CUDA device reports torch.cuda's allocator instead)
@@ -188,9 +189,9 @@ class KernelRun:
                 return self._fail((site, call.name, f"{type(e).__name__}: {e}"), report=True)
             if repaired is not None:
                 repaired.overwritten(result)
-            if config.debug >= 2:
-                print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
-                      f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
+            if self.host.log_kernels:
+                log.debug("[dtorch host %d] %s %s done at %.6f", self.host.index,
+                          threading.current_thread().name, call.name, time.perf_counter())
         self._store(result)
 
     @property
@@ -315,7 +316,10 @@ def failure_peers(ctx, call: HostCall) -> tuple:
 
 
 class Host:
-    def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys):
+    def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys,
+                 facts: config.RuntimeFacts):
+        self.facts = facts
+        self.log_kernels = config.debug >= 2  # read once: checked after every kernel
         self.waits = None  # streams the next kernel waits for (a WAIT record)
         self.tracer = None  # the Recorder while tracing (a TRACE record), see on_trace
         self.index, self.device_type = index, device_type
@@ -384,7 +388,7 @@ class Host:
             devices = []
             if mesh.device_type == self.device_type:
                 for d in mesh.devices:
-                    if local.host_index(self.device_type, d) == self.index:
+                    if self.facts.host_index(self.device_type, d) == self.index:
                         if d not in self.devices:
                             self.devices[d] = Device(self, d, self.device_type)
                         devices.append(self.devices[d])
@@ -650,8 +654,8 @@ class Host:
                 try:
                     records = P.unpack(frame.buffer)
                 except Exception as e:  # noqa: BLE001 - drop it; the controller is authenticated
-                    print(f"[dtorch host {self.index}] dropped a batch that does not decode: {e}",
-                          file=sys.stderr)
+                    log.error("[dtorch host %d] dropped a batch that does not decode: %s",
+                              self.index, e)
                     continue
                 for rec in records:
                     if type(rec) is int:
@@ -670,14 +674,11 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--device-type", required=True)
     parser.add_argument("--controller", required=True)
-    parser.add_argument("--cpu-hosts", type=int, required=True)
-    parser.add_argument("--devices", default=None)  # FIRST:COUNT, on a machine of a cluster
+    config.RuntimeFacts.add_arguments(parser)
     args = parser.parse_args(argv)
-    config.cpu_hosts = args.cpu_hosts
-    if args.devices:
-        config.machine_devices = tuple(int(n) for n in args.devices.split(":"))
     if args.device_type == "cpu":
         if not os.environ.get("OMP_NUM_THREADS"):  # torch has read the user's choice: it stands
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
         cpu_memory.keep_freed_blocks()
-    Host(args.index, args.device_type, args.controller, keys).run()
+    Host(args.index, args.device_type, args.controller, keys,
+         config.RuntimeFacts.from_args(args)).run()
