@@ -209,7 +209,9 @@ _VARS = {name: contextvars.ContextVar(f"dtorch.config.{name}", default=cell)
 
 class Context:
     """Sets knobs for the current thread (context) while the block runs:
-    ``with config.Context(flush_records=8): ...``; nests, and restores on the way out."""
+    ``with config.Context(flush_records=8): ...``; nests (also inside itself), and restores on
+    the way out. The values are checked here, when it is made; a thread enters a Context of its
+    own (the open scopes' tokens are kept on the instance)."""
 
     def __init__(self, **values):
         for name, value in values.items():

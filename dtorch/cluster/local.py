@@ -127,9 +127,7 @@ _BOOT = (
     "child_main({module!r}, sys.argv[1:])"
 )
 # the knobs a child reads from the environment at import follow this process's values
-_INHERITED_KNOBS = {"DTORCH_BIND_HOST": "bind_host",
-                    "DTORCH_HEARTBEAT_TIMEOUT": "heartbeat_timeout_s",
-                    "DTORCH_COLLECTIVE_TIMEOUT": "collective_timeout_s"}
+_INHERITED_KNOBS = ("bind_host", "heartbeat_timeout_s", "collective_timeout_s")
 
 
 def spawn(name: str, module: str, args, keys) -> Child:
@@ -156,7 +154,7 @@ def _child_environment() -> dict:
     where inductor caches the code that hosts compile (``runtime/fusion.py``), unless the user
     chose that."""
     env = {**os.environ,
-           **{var: str(getattr(config, knob)) for var, knob in _INHERITED_KNOBS.items()}}
+           **{config.knob(name).env: str(getattr(config, name)) for name in _INHERITED_KNOBS}}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", config.fusion_cache_dir)
     return env
 
