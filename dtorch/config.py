@@ -1,87 +1,39 @@
-"""The runtime's knobs, in one place. Each reads an environment variable at import and can be
-changed for a scope with ``with dtorch.config.override(debug=1): ...``.
+"""The runtime's knobs, declared in one place (``KNOBS``: each with its type, default, variable
+and what it does), read as ``config.NAME``.
 
-- debug (DTORCH_DEBUG): 1 logs each batch the controller dispatches, 2 also every kernel;
-  ``graph`` writes each batch's graph (below) to ``./dtorch-graphs``.
-- graph_dir (DTORCH_GRAPH_DIR): where the controller writes each batch's LogicalGraph after the
-  passes, as Graphviz DOT (``controller/dot.py``; ``dtorch.profiler.graph`` sets it for a
-  block); None: nowhere.
-- cpu_hosts (DTORCH_CPU_HOSTS): host processes serving CPU devices (device d runs in host
-  d % cpu_hosts, on threads of its own); default: the number of cores, at most 8. Each host
-  gives torch an equal share of the cores as intra-op threads, or ``OMP_NUM_THREADS`` where
-  that is set (read by torch, as in any torch program).
-- flush_records: records buffered before the client sends a batch.
-- flush_delay_s: how long the first record of a batch may wait for company.
-- bind_host (DTORCH_BIND_HOST): the address every socket binds to (zmq, gloo, the rendezvous
-  store); loopback by default. Children started later inherit the value in force.
-- shutdown_timeout_s: how long a stopping process waits for its children before killing them.
-- heartbeat_interval_s: how often every runtime process tells its parent it is alive (from a
-  thread of its own, not the kernel queue).
-- heartbeat_timeout_s (DTORCH_HEARTBEAT_TIMEOUT): silence after which a parent declares a child
-  dead (a stopped, deadlocked or vanished process), kills it and fails the runtime.
-- collective_timeout_s (DTORCH_COLLECTIVE_TIMEOUT): deadline of one collective (and of a process
-  group's rendezvous); past it the collective raises, naming the op and its call site.
-- machine_devices: on a machine of a cluster (its node agent and hosts), the global ids its
-  devices have, as (first, count); None on one machine, where every id is this machine's.
-- max_inflight_ops (DTORCH_MAX_INFLIGHT_OPS): records the client may have sent but not yet seen
-  executed; past it the user's thread blocks, so memory stays flat however far ahead a program
-  runs.
-- replay (DTORCH_REPLAY): the controller lowers a repeating run of records once and replays it
-  (``controller/replay.py``); 0 lowers every record through the passes.
-- fusion (DTORCH_FUSION): a host compiles the elementwise stretches of a program it has replayed
-  ``fusion_after`` times in a row with the same scalars, in the background, and swaps the fused
-  code in once it is ready (``runtime/fusion.py``); 0 never compiles.
-- fusion_after (DTORCH_FUSION_AFTER), fusion_after_s (DTORCH_FUSION_AFTER_S): a program is
-  hot once it has been replayed that many times in a row with the same scalars and its runs
-  have taken that many seconds on the device. A compile costs seconds of a host's CPU, so only
-  a program that has already cost as much is likely to repay it.
-- cuda_graphs (DTORCH_CUDA_GRAPHS): on a GPU, a hot program (above) is also captured whole as
-  a CUDA graph and launched as one (``runtime/cuda_graphs.py``); 0 never captures.
-- fusion_cache_dir (DTORCH_FUSION_CACHE): where the compiled code is cached on disk (inductor's
-  cache), so a later program with the same stretches does not compile them again.
-- read_split_min (DTORCH_READ_SPLIT_MIN): the fewest bytes each thread of a split checkpoint
-  read gets: a host splits a read of at least twice this over its torch threads
-  (``checkpoint/kernels.py``; copying from the page cache is memory-bound, one thread does not
-  saturate it). 8 MiB by default.
-- bucket_bytes (DTORCH_BUCKET_BYTES): the bytes of tensors on their way to one layout (the
-  backward's gradients into ``.grad``, ZeRO's updated chunks back into the parameters) that
-  fill a bucket, which then goes at once as one coalesced collective (``buckets.py``):
-  small tensors share one collective's latency, and a full bucket's collective runs while the
-  work after it computes. Read by the client as each tensor joins a bucket. 4 MiB by default.
+Each knob takes its value from its environment variable when dtorch is imported (a value that
+is not one of its type raises ``ValueError`` naming the variable) and can be changed
 
-DTorch's variables (``dtorch.GlobalOption``) set two of these where dtorch's own variable is not
+- for a scope of the current thread (or asyncio task): ``with config.Context(debug=2): ...``.
+  Scopes nest and restore what was in force when they end, also when the block raises; other
+  threads keep their own values (a new thread starts with the process's);
+- for the whole process: ``config.debug = 2``, which every context without a scope of its own
+  for that knob sees.
+
+A knob is read where its value is needed, in the thread that needs it: a scope changes what the
+code of its own thread reads (the client's operators, the runtime processes it starts, which
+inherit the values of the thread that starts them: ``launcher/local.py``), not what threads that
+are already running read, such as the client's flusher thread.
+
+The runtime's facts (``RuntimeFacts``: how many CPU hosts a machine runs, which devices are its
+own) are no knobs: the process that starts a role builds them once and hands them down.
+
+DTorch's variables (``dtorch.GlobalOption``) set two knobs where dtorch's own variable is not
 set: DTORCH_COMM_TIMEOUT_SECOND the collective deadline, DTORCH_GRPC_TIMEOUT_SECOND (DTorch's
 heartbeats travel over gRPC) the heartbeat timeout. As in DTorch, a timeout <= 0 is refused.
 """
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
+import difflib
 import math
 import os
-
-_debug = os.environ.get("DTORCH_DEBUG", "0")
-debug = int(_debug) if _debug.isdigit() else 0
-graph_dir = os.environ.get("DTORCH_GRAPH_DIR") or ("dtorch-graphs" if _debug == "graph" else None)
-cpu_hosts = int(os.environ.get("DTORCH_CPU_HOSTS", "0")) or min(os.cpu_count() or 1, 8)
-flush_records = 4096
-flush_delay_s = 0.0005
-bind_host = os.environ.get("DTORCH_BIND_HOST", "127.0.0.1")
-shutdown_timeout_s = 5.0
-heartbeat_interval_s = 0.25
-heartbeat_timeout_s = float(os.environ.get("DTORCH_HEARTBEAT_TIMEOUT", "3"))
-collective_timeout_s = float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "120"))
-max_inflight_ops = int(os.environ.get("DTORCH_MAX_INFLIGHT_OPS", "200000"))
-replay = os.environ.get("DTORCH_REPLAY", "1") != "0"
-fusion = os.environ.get("DTORCH_FUSION", "1") != "0"
-fusion_after = int(os.environ.get("DTORCH_FUSION_AFTER", "256"))
-fusion_after_s = float(os.environ.get("DTORCH_FUSION_AFTER_S", "2"))
-cuda_graphs = os.environ.get("DTORCH_CUDA_GRAPHS", "1") != "0"
-fusion_cache_dir = os.environ.get("DTORCH_FUSION_CACHE") or os.path.join(
-    os.path.expanduser("~"), ".cache", "dtorch", "inductor")
-read_split_min = int(os.environ.get("DTORCH_READ_SPLIT_MIN", str(8 << 20)))
-bucket_bytes = int(os.environ.get("DTORCH_BUCKET_BYTES", str(4 << 20)))
-machine_devices = None
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self
 
 
 def seconds_from_env(name: str, environ, default: float | None = None) -> float | None:
@@ -99,11 +51,134 @@ def seconds_from_env(name: str, environ, default: float | None = None) -> float 
     return value
 
 
-# knob -> (dtorch's variable, DTorch's): DTorch's counts where dtorch's is not set
-DTORCH_NAMES = {
-    "collective_timeout_s": ("DTORCH_COLLECTIVE_TIMEOUT", "DTORCH_COMM_TIMEOUT_SECOND"),
-    "heartbeat_timeout_s": ("DTORCH_HEARTBEAT_TIMEOUT", "DTORCH_GRPC_TIMEOUT_SECOND"),
-}
+# -- how a variable's text becomes a value ---------------------------------------------------------
+def _integer(raw: str) -> int:
+    return int(raw)
+
+
+def _number(raw: str) -> float:
+    return float(raw)
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")  # any case
+
+
+def _flag(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in TRUE:
+        return True
+    if low in FALSE:
+        return False
+    raise ValueError("not a flag (1/true or 0/false)")
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _debug_level(raw: str) -> int:
+    # "graph" asks for the graphs (graph_dir), not for logs
+    return 0 if raw == "graph" else int(raw)
+
+
+PARSERS = {int: _integer, float: _number, bool: _flag, str: _text}
+ACCEPTED = {int: (int,), float: (int, float), bool: (bool, int), str: (str,)}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob. ``default`` is a value, or a function of the environment for a default that
+    depends on the machine or on another variable. ``dtorch_name``: DTorch's variable for the
+    same thing, read (as a timeout) where ``env`` is unset."""
+    name: str
+    type: type
+    default: Any
+    env: str | None
+    doc: str
+    optional: bool = False  # None is a value too
+    parse: Callable[[str], Any] | None = None  # else PARSERS[type]
+    dtorch_name: str | None = None
+
+    def read(self, environ) -> Any:
+        raw = environ.get(self.env, "") if self.env else ""
+        if raw == "" and self.dtorch_name and environ.get(self.dtorch_name, ""):
+            return seconds_from_env(self.dtorch_name, environ)
+        if raw == "":
+            return self.default(environ) if callable(self.default) else self.default
+        try:
+            return (self.parse or PARSERS[self.type])(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.env}={raw!r}: {e} (the {self.type.__name__} of "
+                             f"dtorch.config.{self.name}: {self.doc})") from None
+
+    def check(self, value) -> None:
+        if not (isinstance(value, ACCEPTED[self.type]) or value is None and self.optional):
+            raise TypeError(f"dtorch.config.{self.name} is a {self.type.__name__}"
+                            f"{' or None' if self.optional else ''}, not {value!r}")
+
+
+def _cores(environ=None) -> int:
+    return min(os.cpu_count() or 1, 8)
+
+
+def _host_count(raw: str) -> int:
+    return int(raw) or _cores()  # 0: as many as the default
+
+
+def _graph_dir(environ) -> str | None:
+    return "dtorch-graphs" if environ.get("DTORCH_DEBUG") == "graph" else None
+
+
+def _fusion_cache_dir(environ) -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "dtorch", "inductor")
+
+
+KNOBS = (
+    Knob("debug", int, 0, "DTORCH_DEBUG", "1 logs each batch the controller dispatches, 2 also "
+         "every kernel (at DEBUG, loggers dtorch.controller and dtorch.host); graph: graph_dir",
+         parse=_debug_level),
+    Knob("graph_dir", str, _graph_dir, "DTORCH_GRAPH_DIR", "where the controller writes each "
+         "batch's graph after the passes, as DOT (controller/dot.py); None: nowhere",
+         optional=True),
+    Knob("cpu_hosts", int, _cores, "DTORCH_CPU_HOSTS", "host processes serving CPU devices "
+         "(device d in host d % cpu_hosts); default: the number of cores, at most 8",
+         parse=_host_count),
+    Knob("flush_records", int, 4096, None, "records buffered before the client sends a batch"),
+    Knob("flush_delay_s", float, 0.0005, None,
+         "how long the first record of a batch may wait for company"),
+    Knob("bind_host", str, "127.0.0.1", "DTORCH_BIND_HOST", "the address every socket binds to "
+         "(zmq, gloo, the rendezvous store); children inherit the value in force"),
+    Knob("shutdown_timeout_s", float, 5.0, None,
+         "how long a stopping process waits for its children before killing them"),
+    Knob("heartbeat_interval_s", float, 0.25, None,
+         "how often every runtime process tells its parent it is alive (from a thread of its own)"),
+    Knob("heartbeat_timeout_s", float, 3.0, "DTORCH_HEARTBEAT_TIMEOUT", "silence after which a "
+         "parent declares a child dead, kills it and fails the runtime",
+         dtorch_name="DTORCH_GRPC_TIMEOUT_SECOND"),
+    Knob("collective_timeout_s", float, 120.0, "DTORCH_COLLECTIVE_TIMEOUT", "deadline of one "
+         "collective and of a process group's rendezvous; past it the collective raises",
+         dtorch_name="DTORCH_COMM_TIMEOUT_SECOND"),
+    Knob("max_inflight_ops", int, 200000, "DTORCH_MAX_INFLIGHT_OPS", "records sent but not yet "
+         "seen executed; past it the user's thread blocks, so memory stays flat"),
+    Knob("replay", bool, True, "DTORCH_REPLAY", "the controller lowers a repeating run of "
+         "records once and replays it (controller/replay.py); 0 lowers every record"),
+    Knob("fusion", bool, True, "DTORCH_FUSION", "a host compiles the elementwise stretches of a "
+         "hot program in the background and swaps them in (runtime/fusion.py); 0 never"),
+    Knob("fusion_after", int, 256, "DTORCH_FUSION_AFTER",
+         "replays in a row with the same scalars that make a program hot"),
+    Knob("fusion_after_s", float, 2.0, "DTORCH_FUSION_AFTER_S", "device seconds a program's runs "
+         "must also have taken to be hot (a compile costs seconds of a host's CPU)"),
+    Knob("cuda_graphs", bool, True, "DTORCH_CUDA_GRAPHS", "on a GPU, a hot program is also "
+         "captured whole as a CUDA graph (runtime/cuda_graphs.py); 0 never"),
+    Knob("fusion_cache_dir", str, _fusion_cache_dir, "DTORCH_FUSION_CACHE", "where inductor "
+         "caches compiled code on disk for the hosts (their TORCHINDUCTOR_CACHE_DIR)"),
+    Knob("read_split_min", int, 8 << 20, "DTORCH_READ_SPLIT_MIN", "the fewest bytes each thread "
+         "of a split checkpoint read gets (checkpoint/kernels.py)"),
+    Knob("bucket_bytes", int, 4 << 20, "DTORCH_BUCKET_BYTES", "bytes of tensors on their way to "
+         "one layout that fill a bucket, sent as one coalesced collective (buckets.py)"),
+)
+BY_NAME = {k.name: k for k in KNOBS}
+DTORCH_NAMES = {k.name: (k.env, k.dtorch_name) for k in KNOBS if k.dtorch_name}
 
 
 def from_dtorch_names(environ) -> dict:
@@ -113,19 +188,113 @@ def from_dtorch_names(environ) -> dict:
             if ours not in environ and environ.get(theirs, "") != ""}
 
 
-globals().update(from_dtorch_names(os.environ))
-
-
-@contextlib.contextmanager
-def override(**values):
-    """Temporarily sets knobs: ``with override(debug=2): ...``."""
-    g = globals()
-    unknown = [k for k in values if k not in g or k.startswith("_")]
-    if unknown:
-        raise AttributeError(f"unknown dtorch config knobs: {unknown}")
-    old = {k: g[k] for k in values}
-    g.update(values)
+def knob(name: str) -> Knob:
+    """The knob called ``name``; another name: ``AttributeError`` naming the closest ones."""
     try:
-        yield
-    finally:
-        g.update(old)
+        return BY_NAME[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, BY_NAME, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise AttributeError(f"dtorch.config has no knob {name!r}{hint} "
+                             f"(the knobs: {', '.join(BY_NAME)})") from None
+
+
+# A knob's value is a one-item list in a ContextVar whose default list is the process's value:
+# a read is one ContextVar.get, setting the process's value changes that default list in place,
+# and a scope sets its own list.
+_PROCESS = {k.name: [k.read(os.environ)] for k in KNOBS}
+_VARS = {name: contextvars.ContextVar(f"dtorch.config.{name}", default=cell)
+         for name, cell in _PROCESS.items()}
+
+
+class Context:
+    """Sets knobs for the current thread (context) while the block runs:
+    ``with config.Context(flush_records=8): ...``; nests (also inside itself), and restores on
+    the way out. The values are checked here, when it is made; a thread enters a Context of its
+    own (the open scopes' tokens are kept on the instance)."""
+
+    def __init__(self, **values):
+        for name, value in values.items():
+            knob(name).check(value)
+        self.values = values
+        self._tokens: list = []  # one list per ``with`` that is open
+
+    def __enter__(self) -> Self:
+        self._tokens.append([(_VARS[name], _VARS[name].set([value]))
+                             for name, value in self.values.items()])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for var, token in reversed(self._tokens.pop()):
+            var.reset(token)
+
+
+def _property(name: str) -> property:
+    var, cell, check = _VARS[name], _PROCESS[name], BY_NAME[name].check
+
+    def get(_module):
+        return var.get()[0]
+
+    def set_process_wide(_module, value):
+        check(value)
+        cell[0] = value
+
+    return property(get, set_process_wide, doc=BY_NAME[name].doc)
+
+
+class _ConfigModule(types.ModuleType):
+    """This module, whose knobs are properties (``config.NAME`` reads the value in force)."""
+
+
+def __getattr__(name: str):  # only for a name that is no attribute of the module: a typo
+    knob(name)
+
+
+for _name in BY_NAME:
+    setattr(_ConfigModule, _name, _property(_name))
+sys.modules[__name__].__class__ = _ConfigModule
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What a machine's runtime is, decided once by the process that starts it and handed to
+    each role it starts (on their command line): ``cpu_hosts`` host processes serve its CPU
+    devices; ``machine_devices``, on a machine of a cluster, the global ids of its devices as
+    (first, count), None on one machine, where every id is this machine's."""
+    cpu_hosts: int
+    machine_devices: tuple | None = None
+
+    def argv(self) -> list:
+        """The command line that hands these facts to a role (``from_args`` reads it)."""
+        if self.machine_devices is None:
+            return ["--cpu-hosts", self.cpu_hosts]
+        first, count = self.machine_devices
+        return ["--cpu-hosts", self.cpu_hosts, "--devices", f"{first}:{count}"]
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        parser.add_argument("--cpu-hosts", type=int, required=True)
+        parser.add_argument("--devices", default=None)  # FIRST:COUNT, on a machine of a cluster
+
+    @classmethod
+    def from_args(cls, args) -> RuntimeFacts:
+        devices = tuple(int(n) for n in args.devices.split(":")) if args.devices else None
+        return cls(args.cpu_hosts, devices)
+
+    def first_device(self) -> int:
+        """The global id of this machine's first device (its GPUs count from there)."""
+        return self.machine_devices[0] if self.machine_devices else 0
+
+    def host_index(self, device_type: str, device: int) -> int:
+        """Which host process serves a device: one per GPU; CPU devices round-robin over
+        ``cpu_hosts`` processes (several devices to a process, each on its own threads). CUDA
+        hosts are numbered after the CPU ones. On a machine of a cluster, device ids are global
+        (``machine_devices``): a device of another machine has no host here (-1)."""
+        if self.machine_devices is not None:
+            first, count = self.machine_devices
+            if not first <= device < first + count:
+                return -1
+            device -= first
+        if device_type == "cpu":
+            return device % self.cpu_hosts
+        return self.cpu_hosts + device

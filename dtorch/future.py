@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import traceback
+
+from . import logs
+
+log = logs.client
 
 
 class TensorFuture:
@@ -43,8 +46,8 @@ class TensorFuture:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # noqa: BLE001 - the receiver thread completes every future:
-                traceback.print_exc()  # a user's callback must not end it
+            except Exception:  # logged: a user's callback must not end the receiver thread
+                log.exception("dtorch: a future's callback %r raised", fn)
 
     # -- user API -------------------------------------------------------------------------------
     def is_ready(self) -> bool:

@@ -15,14 +15,14 @@ them learns the truth about this runtime:
 
 The two timeouts dtorch has are knobs of ``dtorch.config``, read from the environment when dtorch
 is imported (DTorch's variable counts where dtorch's own, ``DTORCH_COLLECTIVE_TIMEOUT`` or
-``DTORCH_HEARTBEAT_TIMEOUT``, is not set) and changed for a scope by ``config.override``; the
+``DTORCH_HEARTBEAT_TIMEOUT``, is not set) and changed for a scope by ``config.Context``; the
 getters report the value in force. The others are read from the environment at each call, and
 each getter's doc says what dtorch does instead. As in DTorch, a timeout <= 0 is refused
 (``ValueError``; DTorch aborts), and so is a flag that is not one.
 
 >>> from dtorch.global_option import GlobalOption
 >>> from dtorch import config
->>> with config.override(collective_timeout_s=30.0):
+>>> with config.Context(collective_timeout_s=30.0):
 ...     GlobalOption.get_comm_timeout_second()
 30.0
 """
@@ -33,7 +33,7 @@ import os
 
 from . import config
 
-TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+TRUE, FALSE = config.TRUE, config.FALSE
 
 
 def _positive(what: str, value: float) -> float:

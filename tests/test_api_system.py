@@ -42,11 +42,11 @@ def named(*names) -> list:
 
 
 def test_timeouts_are_the_knobs_in_force():
-    with config.override(collective_timeout_s=7.0, heartbeat_timeout_s=2.5):
+    with config.Context(collective_timeout_s=7.0, heartbeat_timeout_s=2.5):
         assert GlobalOption.get_comm_timeout_second() == 7.0
         assert GlobalOption.get_grpc_timeout_second() == 2.5
     assert GlobalOption.get_comm_timeout_second() == config.collective_timeout_s
-    with config.override(collective_timeout_s=0.0), pytest.raises(ValueError, match="> 0"):
+    with config.Context(collective_timeout_s=0.0), pytest.raises(ValueError, match="> 0"):
         GlobalOption.get_comm_timeout_second()
 
 
@@ -144,7 +144,8 @@ def test_ranges_run_on_every_device_of_the_graph_mesh(mesh1):
     x = dtorch.ones(3, device_mesh=mesh1, placements=[Shard(0)])
     devices = list(mesh1.devices)
     # each device's host process records the events of all its devices of the mesh
-    shared = [sum(local.host_index("cpu", e) == local.host_index("cpu", d) for e in devices)
+    machine = config.RuntimeFacts(config.cpu_hosts)
+    shared = [sum(machine.host_index("cpu", e) == machine.host_index("cpu", d) for e in devices)
               for d in devices]
     with dtorch.default_graph.device_mesh_guard(mesh1):
         nvtx.range_push("mesh r")

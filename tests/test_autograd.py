@@ -171,7 +171,7 @@ def test_gradients_fill_a_bucket_to_its_size(grad_placements, kind, extra, colle
     rows = sum((x * w).sum(1) for x, w in zip(dxs, ds))  # S(0): no collective but the grads'
     ones = dtorch.from_torch(torch.ones(2), device_mesh=mesh2, placements=[S0])
     knob = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    with dtorch.config.override(**knob), dtorch.profiler.profile() as prof:
+    with dtorch.config.Context(**knob), dtorch.profiler.profile() as prof:
         rows.backward(ones)
         dtorch.sync()
     comm = [e["name"] for e in prof.kernels() if e["pid"] == 0 and e["cat"] == "comm"]

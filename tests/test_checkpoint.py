@@ -319,7 +319,7 @@ def test_a_read_splits_at_twice_read_split_min(tmp_path, monkeypatch, nbytes, pa
     torch.set_num_threads(2)
     try:
         out = torch.zeros_like(stored)
-        with config.override(read_split_min=4096):
+        with config.Context(read_split_min=4096):
             ops.read_region(path, start, torch.float32, stored.shape, (0,), stored.shape, out)
     finally:
         torch.set_num_threads(threads)

@@ -185,24 +185,25 @@ def serve_one_in_thread(agent: node.Agent) -> tuple:
 
 
 @pytest.fixture
-def agent_of(token, monkeypatch):
+def agent_of(token):
     """An agent of ``token``'s cluster in this process, for a main node at a port (no hosts
-    start: the fake main node never welcomes it). Its settings go back after the test."""
+    start: the fake main node never welcomes it). It changes no knob of this process: its
+    bind address and host count are its own, handed to the hosts it starts."""
     from dtorch import config
 
-    monkeypatch.setattr(config, "bind_host", config.bind_host)
-    monkeypatch.setattr(config, "cpu_hosts", config.cpu_hosts)
+    knobs = config.bind_host, config.cpu_hosts
     made = []
 
     def make(port: int, keys=None) -> node.Agent:
         made.append(node.Agent(f"127.0.0.1:{port}", keys or auth.read_token(token),
-                               "127.0.0.1", config.cpu_hosts))
+                               "127.0.0.1", 1))
         return made[-1]
 
     yield make
     for agent in made:
         agent.gatekeeper.close()
         agent.ctx.destroy(0)
+    assert (config.bind_host, config.cpu_hosts) == knobs
 
 
 def test_a_handshake_cut_short_is_not_a_wrong_token(token, agent_of, caplog):

@@ -210,7 +210,7 @@ def test_flow_control_bounds_the_records_in_flight(mesh1):
     """With a bound of 8,000 records, 100,000 dependent ops never have more than the bound
     (plus one buffer) sent and not yet executed."""
     s = _session.current()
-    with config.override(max_inflight_ops=8000):
+    with config.Context(max_inflight_ops=8000):
         window = 8000 // _session.MARKS
         x = dtorch.zeros((3,), device_mesh=mesh1, placements=[Shard(0)])
         dtorch.sync()  # the bound holds from the first flush under it: earlier tests' records

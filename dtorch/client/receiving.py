@@ -8,17 +8,16 @@ closes it when it stops.
 
 from __future__ import annotations
 
-import logging
 import traceback
 
 import zmq
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from .assemble import assemble, piece_count
 
 MAX_ERRORS = 16  # distinct kernel errors kept for the next wait; later ones are only counted
 MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however many report it
-log = logging.getLogger("dtorch")
+log = logs.client
 
 
 class Receiving:

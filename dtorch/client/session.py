@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import logging
 import os
 import queue
 import signal
@@ -41,7 +40,7 @@ from collections import deque
 import zmq
 import zmq.utils.garbage  # (see _send_frames: imported before atexit.register below)
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from ..cluster import main_node
 from ..launcher import auth, local
 from ..future import TensorFuture
@@ -56,7 +55,7 @@ _tensor_ids = itertools.count(1)
 MARKS = 4  # flow-control marks in flight at most (see the module docstring)
 _STOP = object()  # the sender's last item: it closes the socket
 _recorder = None  # what a new session's ``recorder`` is (``install_recorder``)
-log = logging.getLogger("dtorch")
+log = logs.client
 
 
 def current() -> Session:
@@ -150,6 +149,7 @@ atexit.register(_at_exit)
 class Session(Receiving):
     def __init__(self):
         self.records = deque()
+        self.flush_at = config.flush_records  # a batch's size, read as it begins (append)
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         self.requests = itertools.count(1)
         self.call_sites = CallSites()
@@ -197,6 +197,7 @@ class Session(Receiving):
         results_addr = _bind(self.results, keys)
         # the cluster's settings, checked here: a bad token file raises at the user's call
         self.controller = local.start_controller(ops_addr, results_addr, keys,
+                                                 config.RuntimeFacts(config.cpu_hosts),
                                                  main_node.cluster_settings())
         # torch imports its meta kernels (hundreds of modules, about a second) on first use;
         # do that while the controller starts rather than at the user's first operator
@@ -215,8 +216,9 @@ class Session(Receiving):
         records = self.records
         if not records:
             self.wake()
+            self.flush_at = config.flush_records  # read once a batch: a knob read costs a call
         records.append(record)
-        if len(records) >= config.flush_records:
+        if len(records) >= self.flush_at:
             self.flush()
 
     def wake(self) -> None:

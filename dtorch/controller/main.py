@@ -24,19 +24,17 @@ here that the hosts reach through their agents (``launcher/store.py``).
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import select
 import shutil
-import sys
 import tempfile
 import time
 import traceback
 
 import zmq
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from ..launcher import auth, local
 from ..launcher.machines import JoinedAgent, Machines
 from .graph import LogicalGraph, Operator
@@ -52,7 +50,7 @@ HOLD_MS = 10
 # while a failure report is held on a cluster's main node, how often it looks for a machine
 # whose connection has closed (libzmq forgets a closed peer a few ms after it sees the close)
 PROBE_MS = 10
-log = logging.getLogger("dtorch")
+log = logs.controller
 
 
 class HostHandle:
@@ -65,8 +63,9 @@ class HostHandle:
 
 class Controller:
     def __init__(self, ops_addr: str, results_addr: str, keys: auth.Keys,
-                 node_address: str | None = None, cluster_keys: auth.Keys | None = None):
-        self.keys = keys
+                 facts: config.RuntimeFacts, node_address: str | None = None,
+                 cluster_keys: auth.Keys | None = None):
+        self.keys, self.facts = keys, facts
         self.ctx = zmq.Context()
         self.gatekeeper = auth.Gatekeeper(self.ctx, keys)
         self.ops = self.ctx.socket(zmq.PULL)
@@ -209,8 +208,8 @@ class Controller:
                 self.ack_sync(token)
         if config.debug:
             ms = (time.perf_counter() - t0) * 1e3
-            print(f"[dtorch controller] batch: {len(records)} records -> {len(records_out)}, "
-                  f"{replayed} windows replayed, {ms:.2f} ms", file=sys.stderr)
+            log.debug("[dtorch controller] batch: %d records -> %d, %d windows replayed, %.2f ms",
+                      len(records), len(records_out), replayed, ms)
 
     def run_passes(self, nodes: list) -> list:
         """``PASSES`` over a segment of the batch (``Replayer``), its graph written if asked."""
@@ -288,9 +287,9 @@ class Controller:
     # -- hosts ----------------------------------------------------------------------------------
     def ensure_hosts(self, device_type: str, devices) -> None:
         for d in devices:
-            index = local.host_index(device_type, d)
+            index = self.facts.host_index(device_type, d)
             if index not in self.hosts:
-                child = local.start_host(index, device_type, self.host_addr, self.keys)
+                child = local.start_host(index, device_type, self.host_addr, self.keys, self.facts)
                 host = self.hosts[index] = HostHandle(index, child)
                 host.backlog.append(P.pack(self.graph.definitions))
                 if self.tracing:
@@ -473,13 +472,13 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--life-fd", type=int, required=True)
     parser.add_argument("--ops", required=True)
     parser.add_argument("--results", required=True)
-    parser.add_argument("--cpu-hosts", type=int, required=True)
+    config.RuntimeFacts.add_arguments(parser)
     parser.add_argument("--node-address")  # a cluster's main node: node agents join here
     parser.add_argument("--token-file")  # the cluster's keys (launcher/auth.py)
     args = parser.parse_args(argv)
-    config.cpu_hosts = args.cpu_hosts
     cluster_keys = auth.read_token(args.token_file) if args.node_address else None
-    controller = Controller(args.ops, args.results, keys, args.node_address, cluster_keys)
+    controller = Controller(args.ops, args.results, keys, config.RuntimeFacts.from_args(args),
+                            args.node_address, cluster_keys)
     on_parent_exit(lambda: _stop_hosts(controller))
     try:
         controller.run()

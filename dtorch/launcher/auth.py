@@ -24,7 +24,6 @@ True
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import stat
@@ -34,7 +33,9 @@ from typing import NamedTuple
 import zmq
 from zmq.utils import z85
 
-log = logging.getLogger("dtorch")
+from .. import logs
+
+log = logs.auth
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (RFC 27)
 RUNTIME_DOMAIN, CLUSTER_DOMAIN = b"dtorch", b"dtorch-cluster"

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from .. import config
+from .. import config, logs
 
 # Until a child has loaded its module, its heartbeats may pause for longer: on a busy machine the
 # interpreter's start, and imports that hold the GIL in C for seconds (torch's), can stall the
@@ -127,9 +127,7 @@ _BOOT = (
     "child_main({module!r}, sys.argv[1:])"
 )
 # the knobs a child reads from the environment at import follow this process's values
-_INHERITED_KNOBS = {"DTORCH_BIND_HOST": "bind_host",
-                    "DTORCH_HEARTBEAT_TIMEOUT": "heartbeat_timeout_s",
-                    "DTORCH_COLLECTIVE_TIMEOUT": "collective_timeout_s"}
+_INHERITED_KNOBS = ("bind_host", "heartbeat_timeout_s", "collective_timeout_s")
 
 
 def spawn(name: str, module: str, args, keys) -> Child:
@@ -141,8 +139,7 @@ def spawn(name: str, module: str, args, keys) -> Child:
         pass_fds=(parent_r, life_w),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ,
-             **{var: str(getattr(config, knob)) for var, knob in _INHERITED_KNOBS.items()}},
+        env=_child_environment(),
     )
     os.close(parent_r)
     os.close(life_w)
@@ -150,6 +147,16 @@ def spawn(name: str, module: str, args, keys) -> Child:
     secret = keys.to_bytes()
     os.write(parent_w, len(secret).to_bytes(2, "big") + secret)  # far below a pipe's buffer
     return Child(name, popen, life_r, parent_w)
+
+
+def _child_environment() -> dict:
+    """This process's environment and the inherited knobs' values in force in this thread; and
+    where inductor caches the code that hosts compile (``runtime/fusion.py``), unless the user
+    chose that."""
+    env = {**os.environ,
+           **{config.knob(name).env: str(getattr(config, name)) for name in _INHERITED_KNOBS}}
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", config.fusion_cache_dir)
+    return env
 
 
 def child_main(module: str, argv: list) -> None:
@@ -161,6 +168,7 @@ def child_main(module: str, argv: list) -> None:
     from .auth import Keys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logs.to_stderr(config.debug)
     parent_fd = int(argv[argv.index("--parent-fd") + 1])
     life_fd = int(argv[argv.index("--life-fd") + 1])
     size = int.from_bytes(_read_exactly(parent_fd, 2), "big")
@@ -230,35 +238,20 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return out
 
 
-def host_index(device_type: str, device: int) -> int:
-    """Which host process serves a device: one per GPU; CPU devices round-robin over
-    ``config.cpu_hosts`` processes (several devices to a process, each on its own threads).
-    CUDA hosts are numbered after the CPU ones. On a machine of a cluster, device ids are global
-    (``config.machine_devices``): a device of another machine has no host here (-1)."""
-    if config.machine_devices is not None:
-        first, count = config.machine_devices
-        if not first <= device < first + count:
-            return -1
-        device -= first
-    if device_type == "cpu":
-        return device % config.cpu_hosts
-    return config.cpu_hosts + device
-
-
-def start_controller(ops_addr: str, results_addr: str, keys, cluster=None) -> Child:
-    """The controller; the main node of a cluster when given its ``settings.ClusterSettings``
-    (it then listens at its address for node agents holding the cluster's token)."""
+def start_controller(ops_addr: str, results_addr: str, keys, facts: config.RuntimeFacts,
+                     cluster=None) -> Child:
+    """The controller of the machine ``facts`` describes; the main node of a cluster when
+    given its ``settings.ClusterSettings`` (it then listens at its address for node agents
+    holding the cluster's token)."""
     extra = ["--node-address", cluster.address, "--token-file", cluster.token_file] if cluster \
         else []
     return spawn("controller", "dtorch.controller.main",
-                 ["--ops", ops_addr, "--results", results_addr, "--cpu-hosts", config.cpu_hosts,
-                  *extra], keys)
+                 ["--ops", ops_addr, "--results", results_addr, *facts.argv(), *extra], keys)
 
 
-def start_host(index: int, device_type: str, controller_addr: str, keys) -> Child:
-    """Host ``index`` of this machine; on a cluster's machine it serves the devices of
-    ``config.machine_devices`` (global ids)."""
-    machine = ["--devices", "%d:%d" % config.machine_devices] if config.machine_devices else []
+def start_host(index: int, device_type: str, controller_addr: str, keys,
+               facts: config.RuntimeFacts) -> Child:
+    """Host ``index`` of the machine ``facts`` describes."""
     return spawn(f"host {index}", "dtorch.runtime.host",
                  ["--index", index, "--device-type", device_type, "--controller",
-                  controller_addr, "--cpu-hosts", config.cpu_hosts, *machine], keys)
+                  controller_addr, *facts.argv()], keys)

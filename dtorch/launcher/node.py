@@ -37,12 +37,12 @@ import uuid
 
 import zmq
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from . import auth, local, slurm
 from .settings import ADDRESS_ENV as MAIN_ENV, TOKEN_ENV, check_address
 from .usage import Parser, UsageError, command as dtorch_command
 
-log = logging.getLogger("dtorch")
+log = logs.agent
 DEFAULT_WAIT_S = 600.0  # DTorch's worker --timeout-second
 # A main node that cannot read an agent's hello (another cluster's token) closes the connection
 # without a word, just as a main node that goes away in mid-handshake does (a runtime that
@@ -62,9 +62,8 @@ class Agent:
         self.main, self.cluster_keys, self.bind = main, cluster_keys, bind
         self.devices, self.rank, self.device_type = devices, rank, device_type
         self.name = name or socket.gethostname()
-        config.bind_host = bind  # the hosts inherit it: their collectives listen there
-        if device_type == "cpu":
-            config.cpu_hosts = min(config.cpu_hosts, devices)
+        self.cpu_hosts = min(config.cpu_hosts, devices) if device_type == "cpu" else \
+            config.cpu_hosts
         self.ctx = zmq.Context()
         self.local_keys = auth.Keys.generate()  # this machine's processes' (launcher/auth.py)
         self.gatekeeper = auth.Gatekeeper(self.ctx, self.local_keys)
@@ -211,10 +210,11 @@ class Run:
     # -- hosts ----------------------------------------------------------------------------------
     def start_hosts(self) -> None:
         a, w = self.agent, self.welcome
-        config.machine_devices = (w.first_device, a.devices)
-        n = config.cpu_hosts if a.device_type == "cpu" else a.devices
+        facts = config.RuntimeFacts(a.cpu_hosts, (w.first_device, a.devices))
+        n = facts.cpu_hosts if a.device_type == "cpu" else a.devices
         for index in range(n):
-            child = local.start_host(index, a.device_type, self.down_addr, a.local_keys)
+            with config.Context(bind_host=a.bind):  # inherited: their collectives listen there
+                child = local.start_host(index, a.device_type, self.down_addr, a.local_keys, facts)
             self.hosts[str(index).encode()] = child
             self.life_fds[child.life_fd] = child
             self.poller.register(child.life_fd, zmq.POLLIN)
@@ -266,7 +266,6 @@ class Run:
 
     def close(self) -> None:
         local.stop_all(self.hosts.values(), config.shutdown_timeout_s)
-        config.machine_devices = None
         self.up.disable_monitor()
         self.monitor.close(0)
         self.up.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import config
 from .context import Groups
 from .stream import Memory, Stream
 
@@ -19,9 +18,8 @@ class Device:
     def __init__(self, host, index: int, device_type: str):
         self.host, self.index = host, index
         # a GPU's ordinal is its index on its own machine (device ids count machine by machine)
-        first = config.machine_devices[0] if config.machine_devices else 0
         self.torch_device = torch.device("cpu") if device_type == "cpu" else torch.device(
-            "cuda", index - first)
+            "cuda", index - host.facts.first_device())
         self.streams: dict = {}
         self.blobs: dict = {}
         # the bytes its blobs hold (a CUDA device reports torch.cuda's allocator instead)

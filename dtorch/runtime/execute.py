@@ -12,14 +12,15 @@ Failure, told to the client once. A collective runs through the failure agreemen
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
-from .. import config
+from .. import logs
 from .failures import Failure, run_collective, tell
 from .stream import Blob
 from .vjp import ForwardFailed
+
+log = logs.host
 
 PREV = object()  # a chain step's operand that is the previous step's result
 
@@ -90,9 +91,9 @@ class KernelRun(Runner):
                 result = self.run_step(call, ctx, inputs, site)
                 if type(result) is Failure:
                     break
-                if config.debug >= 2:
-                    print(f"[dtorch host {self.host.index}] {threading.current_thread().name} "
-                          f"{call.name} done at {time.perf_counter():.6f}", file=sys.stderr)
+                if self.host.log_kernels:
+                    log.debug("[dtorch host %d] %s %s done at %.6f", self.host.index,
+                              threading.current_thread().name, call.name, time.perf_counter())
         if type(result) is Failure:
             self._fail(result)
         else:

@@ -6,8 +6,8 @@ device with the same scalars, and whose runs have taken ``config.fusion_after_s`
 likely to repay it), is hot. Its next run also keeps a copy of what each *segment* reads:
 a segment is a stretch of two or more consecutive kernels that fusion may merge (``fusable``). A
 compiler thread of the host then traces each segment into an FX graph (``make_fx``), compiles it
-with inductor (C++ on the CPU, Triton on a GPU; cached on disk in ``config.fusion_cache_dir``), and
-runs the fused code and the kernels one by one on the copied inputs. A segment whose fused results
+with inductor (C++ on the CPU, Triton on a GPU; cached on disk in ``config.fusion_cache_dir``, the
+TORCHINDUCTOR_CACHE_DIR a host starts with), and runs the fused code and the kernels one by one on the copied inputs. A segment whose fused results
 differ from its kernels' in any bit (NaN payloads aside), or in dtype, shape or strides, stays
 unfused. Once its segments are compiled the program's lowering for those scalars is swapped for
 one where each segment is one ``Fused`` step; until then, and for other scalars, the program runs
@@ -32,18 +32,18 @@ that depend on the failure carry it, as without fusion.
 from __future__ import annotations
 
 import copy
-import os
 import queue
 import sys
 import threading
 import time
-import traceback
 
 import torch
 
-from .. import config, protocol as P
+from .. import config, logs, protocol as P
 from . import cuda_graphs
 from .program import MADE, OUTSIDE, SCALAR, Lowering, ProgramStep, mark_frees
+
+log = logs.host
 
 EXACT = frozenset({  # registry names
     "add", "sub", "rsub", "mul", "div", "neg", "abs", "square", "reciprocal", "maximum",
@@ -296,7 +296,6 @@ class Fuser:
             self._thread.start()
 
     def _compile_all(self) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", config.fusion_cache_dir)
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1  # in this thread: no pool of worker processes
@@ -309,9 +308,8 @@ class Fuser:
             sys.setswitchinterval(COMPILING_SWITCH_S)
             try:
                 self._compile(probe)
-            except Exception:  # noqa: BLE001 - a failed compile leaves the program unfused
-                if config.debug:
-                    traceback.print_exc()
+            except Exception:  # logged: a failed compile leaves the program unfused
+                log.debug("dtorch host: a program stays unfused", exc_info=True)
             sys.setswitchinterval(switch)
             with self._lock:
                 self.busy -= 1
@@ -341,9 +339,9 @@ class Fuser:
                     continue
                 compiled = inductor_compile(make_fx(fn)(*args), list(args))
                 got = compiled(*args)
-            except Exception:  # noqa: BLE001 - this segment stays unfused, the others may not
-                if config.debug:
-                    traceback.print_exc()
+            except Exception:  # logged: this segment stays unfused, the others may not
+                log.debug("dtorch host: a stretch of %d kernels stays unfused", len(kernels),
+                          exc_info=True)
                 continue
             if len(got) != len(expected) or not all(map(same_bits, got, expected)):
                 continue

@@ -20,7 +20,6 @@ import argparse
 import collections
 import datetime
 import os
-import sys
 import threading
 import traceback
 
@@ -28,8 +27,9 @@ import torch
 import zmq
 from torch._C._distributed_c10d import FileStore
 
-from .. import config, kernels, protocol as P  # noqa: F401  (importing kernels registers them)
-from ..launcher import auth, local
+from .. import config, logs, protocol as P
+from .. import kernels  # noqa: F401  (importing it registers every kernel a host runs)
+from ..launcher import auth
 from ..spec import MeshInfo, coordinate_of
 from . import cpu_memory
 from .calls import HostCall
@@ -41,9 +41,14 @@ from .program import HostProgram, ProgramRun
 from .stream import Blob, Event, Recorder
 from .vjp import Saved
 
+log = logs.host
+
 
 class Host:
-    def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys):
+    def __init__(self, index: int, device_type: str, controller_addr: str, keys: auth.Keys,
+                 facts: config.RuntimeFacts):
+        self.facts = facts
+        self.log_kernels = config.debug >= 2  # read once: checked after every kernel
         self.waits = None  # streams the next kernel waits for (a WAIT record)
         self.tracer = None  # the Recorder while tracing (a TRACE record), see on_trace
         self.index, self.device_type = index, device_type
@@ -113,7 +118,7 @@ class Host:
             devices = []
             if mesh.device_type == self.device_type:
                 for d in mesh.devices:
-                    if local.host_index(self.device_type, d) == self.index:
+                    if self.facts.host_index(self.device_type, d) == self.index:
                         if d not in self.devices:
                             self.devices[d] = Device(self, d, self.device_type)
                         devices.append(self.devices[d])
@@ -389,8 +394,8 @@ class Host:
                 try:
                     records = P.unpack(frame.buffer)
                 except Exception as e:  # noqa: BLE001 - drop it; the controller is authenticated
-                    print(f"[dtorch host {self.index}] dropped a batch that does not decode: {e}",
-                          file=sys.stderr)
+                    log.error("[dtorch host %d] dropped a batch that does not decode: %s",
+                              self.index, e)
                     continue
                 for rec in records:
                     if type(rec) is int:
@@ -409,14 +414,11 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--device-type", required=True)
     parser.add_argument("--controller", required=True)
-    parser.add_argument("--cpu-hosts", type=int, required=True)
-    parser.add_argument("--devices", default=None)  # FIRST:COUNT, on a machine of a cluster
+    config.RuntimeFacts.add_arguments(parser)
     args = parser.parse_args(argv)
-    config.cpu_hosts = args.cpu_hosts
-    if args.devices:
-        config.machine_devices = tuple(int(n) for n in args.devices.split(":"))
     if args.device_type == "cpu":
         if not os.environ.get("OMP_NUM_THREADS"):  # torch has read the user's choice: it stands
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.cpu_hosts))
         cpu_memory.keep_freed_blocks()
-    Host(args.index, args.device_type, args.controller, keys).run()
+    Host(args.index, args.device_type, args.controller, keys,
+         config.RuntimeFacts.from_args(args)).run()
