@@ -60,6 +60,8 @@ def program(failing: bool = False) -> tuple:
 
 
 class Host:
+    log_kernels = False  # (Host's, read once at its start from config.debug)
+
     def __init__(self):
         self.sent = []
 
