@@ -38,7 +38,7 @@ from .execute import PREV, KernelRun
 from .failures import Failure, tell
 from .fusion import Fuser
 from .program import HostProgram, ProgramRun
-from .stream import Blob, Event, Recorder
+from .stream import Blob, Event, TraceRecorder
 from .vjp import Saved
 
 log = logs.host
@@ -50,7 +50,7 @@ class Host:
         self.facts = facts
         self.log_kernels = config.debug >= 2  # read once: checked after every kernel
         self.waits = None  # streams the next kernel waits for (a WAIT record)
-        self.tracer = None  # the Recorder while tracing (a TRACE record), see on_trace
+        self.tracer = None  # the TraceRecorder while tracing (a TRACE record), see on_trace
         self.index, self.device_type = index, device_type
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -345,11 +345,11 @@ class Host:
         t = P.Trace(*rec)
         streams = self.all_streams()
         if t.on:
-            recorder = self.tracer = self.tracer or Recorder()
+            recorder = self.tracer = self.tracer or TraceRecorder()
             for s in streams:
                 s.put(lambda s=s: setattr(s, "tracer", recorder))
             return
-        recorder, self.tracer = self.tracer or Recorder(), None
+        recorder, self.tracer = self.tracer or TraceRecorder(), None
 
         def off(s):
             s.tracer = None

@@ -156,7 +156,7 @@ class Event:
             torch.cuda.current_stream().wait_event(self._cuda)
 
 
-class Recorder:
+class TraceRecorder:
     """The kernels a host's streams ran while tracing (``dtorch.profiler``): one
     ``(name, device, stream, start_ns, end_ns, site)`` per item with a ``trace_name`` (a
     KernelRun or ProgramRun; ``site``: the client's index of the user's line that issued its
@@ -202,7 +202,7 @@ class Stream:
     on a stream that no longer runs it would leave its waiters (a peer's collective, a sync)
     hanging for good, so such a failure must be reported, never die with the thread.
 
-    ``tracer``: a Recorder while tracing, else None (switched by items on the queue, so at a
+    ``tracer``: a TraceRecorder while tracing, else None (switched by items on the queue, so at a
     point of the program; the only cost when off is this one attribute check per item).
     ``label``: (device index, stream id), which the trace names.
     """
