@@ -3,17 +3,15 @@
 import pytest
 
 from dtorch import protocol as P
-from dtorch.controller.graph import LogicalGraph, Operator
+from dtorch.controller.logical_graph import LogicalGraph, Operator
 from dtorch.controller.passes import (
-    COMM_STREAM,
     Chain,
-    StreamState,
     assign_streams,
-    compute_stream,
     eliminate_dead_code,
     fuse_chains,
     lower_redistribute,
 )
+from dtorch.controller.streams import COMM_STREAM, compute_stream
 
 
 pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
@@ -21,7 +19,6 @@ pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 def make_graph(n_devices=2):
     g = LogicalGraph()
-    g.streams = StreamState()
     g.define([P.DEFINE_MESH, 1, "cpu", [n_devices], list(range(n_devices))])
     g.define([P.DEFINE_SPEC, 1, [4, 3], "float32", 1, ["S0"]])
     g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])

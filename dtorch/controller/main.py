@@ -33,15 +33,16 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import ClassVar
 
 import zmq
 
 from .. import config, protocol as P
 from ..cluster import auth, local
 from ..cluster.machines import Machine, Machines
-from .graph import LogicalGraph, Operator
 from .dot import to_dot
-from .passes import PASSES, Chain, StreamState
+from .logical_graph import LogicalGraph, Operator
+from .passes import Chain, run_passes
 from .replay import Replayer
 from .reports import DEATH_GRACE_S, Reports, collective_names
 
@@ -52,7 +53,21 @@ HOLD_MS = 10
 # while a failure report is held on a cluster's main node, how often it looks for a machine
 # whose connection has closed (libzmq forgets a closed peer a few ms after it sees the close)
 PROBE_MS = 10
-log = logging.getLogger("dtorch")
+log = logging.getLogger("dtorch.controller")
+
+
+class Batch:
+    """A client batch as the intake takes it in: the records for the passes (``nodes``), the
+    definitions every host gets first, and the request a Trace off answers (``stop``)."""
+
+    __slots__ = ("definitions", "nodes", "stop")
+
+    def __init__(self):
+        self.nodes, self.definitions, self.stop = [], [], None
+
+
+class LostBatch(Exception):
+    """A record the controller cannot take in: the runtime fails, and the batch is lost."""
 
 
 class HostHandle:
@@ -93,8 +108,7 @@ class Controller:
         self.poller.register(self.ops, zmq.POLLIN)
         self.poller.register(self.host_sock, zmq.POLLIN)
         self.graph = LogicalGraph()
-        self.graph.streams = StreamState()
-        self.replayer = Replayer(self.graph, self.run_passes, self.encode)
+        self.replayer = Replayer(self.graph, self.lowered, self.encode)
         self.hosts: dict = {}  # host index -> HostHandle
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
@@ -155,42 +169,18 @@ class Controller:
 
     def on_batch(self, records: list, hold: bool = True) -> None:
         t0, started = time.perf_counter(), time.time_ns()  # the hosts' trace clock: time_ns
-        # Definitions go first, as the client made them: a spec a redistribute's plan passes
-        # through may carry the id of one the client defines later in the batch.
-        nodes, definitions, stop = [], [], None
-        for rec in records:
-            if type(rec) is int or rec[0] == P.OP:
-                nodes.append(rec)  # an operator stays its record until the passes need it
-            elif P.is_definition(rec):
-                self.graph.define(rec)
-                if rec[0] == P.DEFINE_MESH:
-                    mesh = P.DefineMesh(*rec)
-                    if self.machines is None:
-                        self.ensure_hosts(mesh.device_type, mesh.devices)
-                    elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
-                        self.fatal(error)
-                        return
-                if rec[0] != P.DEFINE_CALL or P.DefineCall(*rec).op != "redistribute":
-                    definitions.append(rec)
-            elif rec[0] == P.SYNC:
-                self.syncs[P.Sync(*rec).token] = set(self.peers())
-                nodes.append(rec)
-            elif rec[0] == P.CLUSTER_QUERY:
-                if self.machines is not None:  # MainNode asks only a cluster's main node
-                    self.machines.query(rec)
-            elif rec[0] == P.SHUTDOWN:
-                self.running = False
-            elif rec[0] == P.GRAPH:
-                self.graph_dir = rec[1]
-            elif rec[0] == P.TRACE:
-                trace = P.Trace(*rec)
-                self.tracing = bool(trace.on)
-                self.trace_events = [] if trace.on else self.trace_events
-                stop = None if trace.on else trace.request
-                nodes.append(rec)
-            else:
-                nodes.append(rec)
-        records_out = definitions
+        batch = Batch()
+        nodes, intake = batch.nodes, self.INTAKE
+        try:
+            for rec in records:
+                if type(rec) is int or rec[0] == P.OP:
+                    nodes.append(rec)  # an operator stays its record until the passes need it
+                else:
+                    intake.get(rec[0], Controller.take_node)(self, rec, batch)
+        except LostBatch as e:
+            self.fatal(str(e))
+            return
+        records_out = batch.definitions
         self.replayer.run(nodes, records_out, hold)
         replayed = self.replayer.replayed
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
@@ -198,23 +188,74 @@ class Controller:
                 (f"passes: {len(records)} records -> {len(records_out)}"
                  + (f", {replayed} windows replayed" if replayed else ""), P.CONTROLLER,
                  P.CONTROLLER, started, time.time_ns(), 0))
-            if stop is not None:  # the batch that stopped the trace: answer with the hosts
+            if batch.stop is not None:  # the batch that stopped the trace: answer with the hosts
                 self.reports.send(P.TRACE_EVENTS, [P.pack(P.TraceEvents(
-                    P.TRACE_EVENTS, stop, P.CONTROLLER, os.getpid(), 0, self.trace_events))])
+                    P.TRACE_EVENTS, batch.stop, P.CONTROLLER, os.getpid(), 0,
+                    self.trace_events))])
                 self.trace_events = None
         self.send_to_hosts(records_out)
         for token, waiting in list(self.syncs.items()):
             if not waiting:
                 self.ack_sync(token)
-        if config.debug:
-            ms = (time.perf_counter() - t0) * 1e3
-            print(f"[dtorch controller] batch: {len(records)} records -> {len(records_out)}, "
-                  f"{replayed} windows replayed, {ms:.2f} ms", file=sys.stderr)
+        log.debug("batch: %d records -> %d, %d windows replayed, %.2f ms", len(records),
+                  len(records_out), replayed, (time.perf_counter() - t0) * 1e3)
 
-    def run_passes(self, nodes: list) -> list:
-        """``PASSES`` over a segment of the batch (``Replayer``), its graph written if asked."""
-        for run_pass in PASSES:
-            nodes = run_pass(self.graph, nodes)
+    # -- the intake: what each record of a client batch does here (``INTAKE``) -----------------
+    # Definitions go first, as the client made them: a spec a redistribute's plan passes
+    # through may carry the id of one the client defines later in the batch.
+    def take_definition(self, rec, batch: Batch) -> None:
+        self.graph.define(rec)
+        batch.definitions.append(rec)
+
+    def take_mesh(self, rec, batch: Batch) -> None:
+        mesh = P.DefineMesh(*rec)
+        self.graph.define(rec)
+        if self.machines is None:
+            self.ensure_hosts(mesh.device_type, mesh.devices)
+        elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
+            raise LostBatch(error)
+        batch.definitions.append(rec)
+
+    def take_call(self, rec, batch: Batch) -> None:
+        self.graph.define(rec)
+        if P.DefineCall(*rec).op != "redistribute":  # lowered here, never sent
+            batch.definitions.append(rec)
+
+    def take_sync(self, rec, batch: Batch) -> None:
+        self.syncs[P.Sync(*rec).token] = set(self.peers())
+        batch.nodes.append(rec)
+
+    def take_cluster_query(self, rec, batch: Batch) -> None:
+        if self.machines is not None:  # MainNode asks only a cluster's main node
+            self.machines.query(rec)
+
+    def take_shutdown(self, rec, batch: Batch) -> None:
+        self.running = False
+
+    def take_graph_dir(self, rec, batch: Batch) -> None:
+        self.graph_dir = rec[1]
+
+    def take_trace(self, rec, batch: Batch) -> None:
+        trace = P.Trace(*rec)
+        self.tracing = bool(trace.on)
+        self.trace_events = [] if trace.on else self.trace_events
+        batch.stop = None if trace.on else trace.request
+        batch.nodes.append(rec)
+
+    def take_node(self, rec, batch: Batch) -> None:
+        """A record the passes carry to the hosts as it is (a fetch)."""
+        batch.nodes.append(rec)
+
+    INTAKE: ClassVar[dict] = {  # tag -> handler; any other record is a node (``take_node``)
+        P.DEFINE_MESH: take_mesh, P.DEFINE_SPEC: take_definition, P.DEFINE_CALL: take_call,
+        P.SYNC: take_sync, P.CLUSTER_QUERY: take_cluster_query, P.SHUTDOWN: take_shutdown,
+        P.GRAPH: take_graph_dir, P.TRACE: take_trace,
+    }
+
+    def lowered(self, nodes: list) -> list:
+        """The passes over a segment of the batch (``Replayer``), each a span of the trace
+        when one is on; the segment's graph written if asked."""
+        nodes = run_passes(self.graph, nodes, self.trace_events)
         if self.graph_dir is not None and nodes:
             self.write_graph(nodes)
         return nodes
@@ -477,6 +518,11 @@ def main(argv, keys: auth.Keys, on_parent_exit) -> None:
     parser.add_argument("--token-file")  # the cluster's keys (cluster/auth.py)
     args = parser.parse_args(argv)
     config.cpu_hosts = args.cpu_hosts
+    if config.debug:  # each batch, and each pass with the nodes it took and left
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[dtorch controller] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
     cluster_keys = auth.read_token(args.token_file) if args.node_address else None
     controller = Controller(args.ops, args.results, keys, args.node_address, cluster_keys)
     on_parent_exit(lambda: _stop_hosts(controller))
