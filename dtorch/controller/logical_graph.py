@@ -43,7 +43,8 @@ class CallInfo(NamedTuple):
 class Operator:
     """A node of the incremental subgraph. ``rec`` is its wire record,
     ``[OP, call, site, graph, *outs, *operands]``, which becomes the hosts' KERNEL record in
-    place, the graph replaced by the stream (see protocol.py); ``outs`` and ``inputs`` (the tensor operands) are read off it once."""
+    place, the graph replaced by the stream (see protocol.py); ``outs`` and ``inputs`` (the
+    tensor operands) are read off it once."""
 
     __slots__ = ("call", "rec", "outs", "inputs", "waits")
 
