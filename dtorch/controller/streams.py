@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..protocol import INPLACE, VIEW, written
+from ..protocol import INPLACE, VIEW, WRITES, written
 
 COMM_STREAM = 0  # one per device, shared by all graphs: collectives keep one order everywhere
 
@@ -36,6 +36,8 @@ def compute_stream(graph_id: int) -> int:
 def written_operands(node) -> tuple:
     """The tensors an in-place kernel writes: operand 0, and those its ``WRITES`` flags name."""
     flags, operands = node.call.flags, node.operands
+    if flags < WRITES:  # (the common case, without the search for the others)
+        return (operands[0],)
     return (operands[0], *(operands[k] for k in written(flags)))
 
 
@@ -165,8 +167,17 @@ class StreamOrder:
         flags = node.call.flags
         pos = self.position[s] = self.position.get(s, 0) + 1
         after = None  # stream -> the position on it this kernel must come after
+        roots, storages = self.roots, self.storages
+        # the reads spelled out, not a method per operand: this runs for every operand
         for i in node.inputs:
-            after = self._read(i, s, pos, after)
+            view = roots.get(i)
+            m = storages.get(i if view is None else view.storage)
+            if m is not None:
+                if m.writer != s:  # read after write
+                    after = _join(after, m.writer, m.written)
+                m.touch(s, pos)
+            if view is not None and view.stream != s:  # the view's handle is made there
+                after = _join(after, view.stream, view.position)
         if flags & INPLACE:
             for t in written_operands(node):
                 after = self._write(t, s, pos, after)
@@ -174,18 +185,8 @@ class StreamOrder:
             self._alias(node.operands[0], node.outs, s, pos, node.call.scope)
         else:
             for o in node.outs:
-                self.storages[o] = Storage(s, pos, pos)
+                storages[o] = Storage(s, pos, pos)
         return self._waits(s, node.call.scope, after) if after else None
-
-    def _read(self, tensor: int, s: int, pos: int, after):
-        _, view, m = self._storage(tensor)
-        if m is not None:
-            if m.writer != s:  # read after write
-                after = _join(after, m.writer, m.written)
-            m.touch(s, pos)
-        if view is not None and view.stream != s:  # the view's handle is made there
-            after = _join(after, view.stream, view.position)
-        return after
 
     def _write(self, tensor: int, s: int, pos: int, after):
         """A write of ``tensor``'s storage at position ``pos`` of stream ``s``, after every
