@@ -12,9 +12,9 @@ import copy
 from collections import Counter
 
 from dtorch import protocol as P
-from dtorch.controller.graph import LogicalGraph
+from dtorch.controller.logical_graph import LogicalGraph
 from dtorch.controller.main import Controller
-from dtorch.controller.passes import OTHERS, PASSES, VIEWS, WRITER, StreamState
+from dtorch.controller.passes import run_passes as passes_over
 from dtorch.controller.replay import UNFIT, Replayer
 
 # -- the calls: per mesh, the kinds of access the stream rule tells apart -------------------------
@@ -39,7 +39,6 @@ def call_id(kind: str, mesh: int) -> int:
 
 def make_graph() -> LogicalGraph:
     g = LogicalGraph()
-    g.streams = StreamState()
     for mesh, devices in MESHES.items():
         g.define([P.DEFINE_MESH, mesh, "cpu", [2], devices])
         g.define([P.DEFINE_SPEC, mesh, [4, 4], "float32", mesh, ["S0"]])
@@ -237,12 +236,7 @@ class Forced(dict):
 
 def run_passes(g):
     """The controller's passes over ``g``, as a function of the nodes (``Replayer``'s)."""
-
-    def passes(nodes):
-        for p in PASSES:
-            nodes = p(g, nodes)
-        return nodes
-    return passes
+    return lambda nodes: passes_over(g, nodes)
 
 
 def lower(batches, hold):
@@ -339,12 +333,9 @@ def normalized(g, records, initial) -> list:
 
 
 def stream_state(g) -> tuple:
-    """The stream state, but for the positions of accesses inside a replayed window (a replay
-    counts them at the window's last position)."""
-    st = g.streams
-    storages = {k: (m[WRITER], sorted(m[OTHERS] or ()), m[VIEWS]) for k, m in st.storages.items()}
-    roots = {k: (v[0], v[1], v[3]) for k, v in st.roots.items()}
-    return st.position, st.covered, storages, roots
+    """The whole stream state (``StreamOrder.state``): a replay leaves the pass's, positions
+    included."""
+    return g.streams.state()
 
 
 def initial_ids(batches) -> set:

@@ -16,7 +16,7 @@ import torch
 import dtorch
 from dtorch import protocol as P
 from dtorch.client import session
-from dtorch.controller.graph import LogicalGraph
+from dtorch.controller.logical_graph import LogicalGraph
 from dtorch.runtime.calls import BUILDERS, HostCall
 
 PACKAGE = pathlib.Path(dtorch.__file__).parent

@@ -25,7 +25,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate
-from dtorch.controller.graph import LogicalGraph
+from dtorch.controller.logical_graph import LogicalGraph
 from dtorch.controller.reports import DEATH_GRACE_S, Reports, collective_names
 from dtorch import protocol as P
 import extension_kernels as K

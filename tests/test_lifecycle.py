@@ -196,6 +196,23 @@ def run_mesh(shape) -> dict:
     return run_client(MESH_PROGRAM, timeout=300, args=[str(list(shape))])
 
 
+def test_a_tensor_of_an_ended_runtime_releases_nothing_in_the_next():
+    """Its id was never this runtime's: its death must not reach the new runtime (a stray
+    record there would be a batch the program never issued)."""
+    from dtorch.client import session
+
+    old = dtorch.ones(4, device_mesh=dtorch.DeviceMesh("cpu", [0]))
+    assert old.sum().item() == 4.0
+    dtorch.shutdown()
+    new = dtorch.full((4,), 7.0, device_mesh=dtorch.DeviceMesh("cpu", [0]))
+    s = session.current()
+    s.flush()
+    del old
+    assert list(s.records) == []
+    del new
+    assert len(s.records) == 1  # (the new runtime's own tensor is released as ever)
+
+
 def test_8_devices_are_usable_within_seconds():
     r = run_mesh((8,))
     print(f"\n8 devices: first value after {r['first_s']:.2f} s, all done after "

@@ -1,19 +1,27 @@
-"""Controller passes on hand-built batches: which kernels each pass leaves (no runtime)."""
+"""Controller passes on hand-built batches: which kernels each pass leaves, and that each pass
+is named in the controller's DEBUG log and the trace (no runtime of the session's)."""
+
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
 from dtorch import protocol as P
-from dtorch.controller.graph import LogicalGraph, Operator
+from dtorch.controller.logical_graph import LogicalGraph, Operator
 from dtorch.controller.passes import (
-    COMM_STREAM,
+    PASSES,
     Chain,
-    StreamState,
     assign_streams,
-    compute_stream,
     eliminate_dead_code,
     fuse_chains,
     lower_redistribute,
+    run_passes,
 )
+from dtorch.controller.streams import COMM_STREAM, compute_stream
 
 
 pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
@@ -21,7 +29,6 @@ pytestmark = pytest.mark.no_runtime  # (conftest syncs after the other tests)
 
 def make_graph(n_devices=2):
     g = LogicalGraph()
-    g.streams = StreamState()
     g.define([P.DEFINE_MESH, 1, "cpu", [n_devices], list(range(n_devices))])
     g.define([P.DEFINE_SPEC, 1, [4, 3], "float32", 1, ["S0"]])
     g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])
@@ -334,3 +341,49 @@ def test_a_chain_never_absorbs_a_kernel_that_waits_and_its_reads_order_later_wri
     nodes = fuse_chains(p.g, p.run())
     assert kinds(nodes) == ["ones", "ones", "chain(mul,mul)", "add", "release 12", "mul_"]
     assert nodes[3].waits == [STREAMS["B"]] and nodes[5].waits == [STREAMS["A"]]
+
+
+# -- every pass named, with the nodes it took and left --------------------------------------------
+
+
+def every_pass_changes(g) -> list:
+    """A redistribute (lowered to an all-gather: more nodes), dead code (fewer), a chain of two
+    muls (one node), releases and a fetch."""
+    return [op(g, 1, 11, 10, 2.0), op(g, 1, 12, 11, 3.0), 11, op(g, 3, 13, 12),
+            op(g, 4, 14, 13, 13), op(g, 1, 15, 10, 5.0), 15, 12, 13, [P.FETCH, 14, 1]]
+
+
+def each_pass(batch) -> list:
+    """``name: nodes taken -> nodes left`` of each pass over ``batch(graph)``, run one by one."""
+    g, lines = make_graph(), []
+    nodes = batch(g)
+    for run_pass in PASSES:
+        taken, nodes = len(nodes), run_pass(g, nodes)
+        lines.append(f"{run_pass.__name__}: {taken} -> {len(nodes)} nodes")
+    return lines
+
+
+def test_each_pass_is_named_with_its_node_counts_in_the_debug_log_and_the_trace(caplog):
+    expected = each_pass(every_pass_changes)
+    assert len({line.split(": ")[1] for line in expected}) == len(PASSES)  # each its own counts
+    g, spans = make_graph(), []
+    with caplog.at_level(logging.DEBUG, logger="dtorch.controller"):
+        run_passes(g, every_pass_changes(g), spans)
+    assert [r.getMessage() for r in caplog.records if r.name == "dtorch.controller"] == expected
+    assert [name for name, *_ in spans] == expected
+    assert all(device == stream == P.CONTROLLER and t0 <= t1
+               for _, device, stream, t0, t1, _ in spans)
+
+
+def test_dtorch_debug_prints_each_pass_of_the_controllers_batches():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    code = ("import dtorch\nmesh = dtorch.DeviceMesh('cpu', [0, 1])\n"
+            "print((dtorch.ones((4, 4), device_mesh=mesh) * 2).sum().item())\n")
+    env = {**os.environ, "DTORCH_DEBUG": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=root, check=False)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "32.0", proc.stderr[-3000:]
+    for run_pass in PASSES:
+        assert re.search(rf"^\[dtorch controller\] {run_pass.__name__}: \d+ -> \d+ nodes$",
+                         proc.stderr, re.MULTILINE), (run_pass.__name__, proc.stderr[-3000:])
+    assert re.search(r"^\[dtorch controller\] batch: \d+ records -> ", proc.stderr, re.MULTILINE)

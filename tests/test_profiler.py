@@ -76,6 +76,9 @@ def test_profile_has_every_process_and_the_call_sites(tmp_path):
     assert any(e["name"].startswith("flush ") for e in client)
     assert any(e["name"] == "nvtx: step" for e in client)
     assert any(e["cat"] == "controller" and e["name"].startswith("passes: ") for e in spans)
+    for run_pass in PASSES:  # and each pass, with the nodes it took and left
+        assert any(e["cat"] == "controller" and re.fullmatch(
+            rf"{run_pass.__name__}: \d+ -> \d+ nodes", e["name"]) for e in spans), run_pass
     names = {e["args"]["name"] for e in prof.events if e["name"] == "process_name"}
     assert any(n.startswith("client") for n in names)
     assert any(n.startswith("controller") for n in names)

@@ -18,9 +18,8 @@ import torch
 import dtorch
 from dtorch import config, protocol as P
 from dtorch.controller import replay
-from dtorch.controller.graph import LogicalGraph
+from dtorch.controller.logical_graph import LogicalGraph
 from dtorch.controller.main import Controller
-from dtorch.controller.passes import StreamState
 from dtorch.client import session
 from dtorch.controller.replay import Replayer, periodic, windows
 from helpers import runtime_with
@@ -29,7 +28,6 @@ from replay_lowering import run_passes
 
 def make_graph():
     g = LogicalGraph()
-    g.streams = StreamState()
     g.define([P.DEFINE_MESH, 1, "cpu", [2], [0, 1]])
     g.define([P.DEFINE_SPEC, 1, [4, 3], "float32", 1, ["S0"]])
     g.define([P.DEFINE_SPEC, 2, [4, 3], "float32", 1, ["R"]])

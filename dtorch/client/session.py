@@ -100,7 +100,7 @@ def release_id(tensor_id: int) -> None:
     """``release`` of an id (a tensor's, or a tape node's: the hosts drop what they keep for
     it)."""
     s = _current
-    if s is not None and not s.closed:
+    if s is not None and not s.closed and tensor_id > s.first_id:  # (not an ended runtime's)
         records = s.records
         if not records:
             s.wake()
@@ -151,6 +151,9 @@ class Session(Receiving):
         self.records = deque()
         self.flush_at = config.flush_records  # a batch's size, read as it begins (append)
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
+        # ids are the process's: a tensor of an ended runtime (any id up to this one) that
+        # dies during this one's life has nothing here to release
+        self.first_id = next(_tensor_ids)
         self.requests = itertools.count(1)
         self.call_sites = CallSites()
         self.site, self.site_names = self.call_sites.site, self.call_sites.names

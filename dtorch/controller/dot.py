@@ -13,8 +13,9 @@ syncs, fetches and trace switches are plain text where they stand in the program
 from __future__ import annotations
 
 from .. import protocol as P
-from .graph import Operator
-from .passes import COMM_STREAM, Chain
+from .logical_graph import Operator
+from .passes import Chain
+from .streams import COMM_STREAM
 
 _TAGS = {P.SYNC: "sync", P.FETCH: "fetch", P.TRACE: "trace"}
 

@@ -31,15 +31,16 @@ import shutil
 import tempfile
 import time
 import traceback
+from typing import ClassVar
 
 import zmq
 
 from .. import config, logs, protocol as P
 from ..launcher import auth, local
 from ..launcher.machines import JoinedAgent, Machines
-from .graph import LogicalGraph, Operator
 from .dot import to_dot
-from .passes import PASSES, Chain, StreamState
+from .logical_graph import LogicalGraph, Operator
+from .passes import Chain, run_passes
 from .replay import Replayer
 from .reports import DEATH_GRACE_S, Reports, collective_names
 
@@ -51,6 +52,20 @@ HOLD_MS = 10
 # whose connection has closed (libzmq forgets a closed peer a few ms after it sees the close)
 PROBE_MS = 10
 log = logs.controller
+
+
+class Batch:
+    """A client batch as the intake takes it in: the records for the passes (``nodes``), the
+    definitions every host gets first, and the request a Trace off answers (``stop``)."""
+
+    __slots__ = ("definitions", "nodes", "stop")
+
+    def __init__(self):
+        self.nodes, self.definitions, self.stop = [], [], None
+
+
+class LostBatch(Exception):
+    """A record the controller cannot take in: the runtime fails, and the batch is lost."""
 
 
 class HostHandle:
@@ -92,8 +107,7 @@ class Controller:
         self.poller.register(self.ops, zmq.POLLIN)
         self.poller.register(self.host_sock, zmq.POLLIN)
         self.graph = LogicalGraph()
-        self.graph.streams = StreamState()
-        self.replayer = Replayer(self.graph, self.run_passes, self.encode)
+        self.replayer = Replayer(self.graph, self.lowered, self.encode)
         self.hosts: dict = {}  # host index -> HostHandle
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
@@ -154,43 +168,18 @@ class Controller:
 
     def on_batch(self, records: list, hold: bool = True) -> None:
         t0, started = time.perf_counter(), time.time_ns()  # the hosts' trace clock: time_ns
-        # Definitions go first, as the client made them: a spec a redistribute's plan passes
-        # through may carry the id of one the client defines later in the batch.
-        nodes, definitions, stop = [], [], None
-        for rec in records:
-            if type(rec) is int or rec[0] == P.OP:
-                nodes.append(rec)  # an operator stays its record until the passes need it
-            elif P.is_definition(rec):
-                self.graph.define(rec)
-                if rec[0] == P.DEFINE_MESH:
-                    mesh = P.DefineMesh(*rec)
-                    if self.machines is None:
-                        self.ensure_hosts(mesh.device_type, mesh.devices)
-                    elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
-                        self.fatal(error)
-                        return
-                if rec[0] != P.DEFINE_CALL or (
-                        P.DefineCall(*rec).kind != P.CallKind.REDISTRIBUTE):
-                    definitions.append(rec)
-            elif rec[0] == P.SYNC:
-                self.syncs[P.Sync(*rec).token] = set(self.peers())
-                nodes.append(rec)
-            elif rec[0] == P.CLUSTER_QUERY:
-                if self.machines is not None:  # MainNode asks only a cluster's main node
-                    self.machines.query(rec)
-            elif rec[0] == P.SHUTDOWN:
-                self.running = False
-            elif rec[0] == P.GRAPH:
-                self.graph_dir = rec[1]
-            elif rec[0] == P.TRACE:
-                trace = P.Trace(*rec)
-                self.tracing = bool(trace.on)
-                self.trace_events = [] if trace.on else self.trace_events
-                stop = None if trace.on else trace.request
-                nodes.append(rec)
-            else:
-                nodes.append(rec)
-        records_out = definitions
+        batch = Batch()
+        nodes, intake = batch.nodes, self.INTAKE
+        try:
+            for rec in records:
+                if type(rec) is int or rec[0] == P.OP:
+                    nodes.append(rec)  # an operator stays its record until the passes need it
+                else:
+                    intake.get(rec[0], Controller.take_node)(self, rec, batch)
+        except LostBatch as e:
+            self.fatal(str(e))
+            return
+        records_out = batch.definitions
         self.replayer.run(nodes, records_out, hold)
         replayed = self.replayer.replayed
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
@@ -198,23 +187,74 @@ class Controller:
                 (f"passes: {len(records)} records -> {len(records_out)}"
                  + (f", {replayed} windows replayed" if replayed else ""), P.CONTROLLER,
                  P.CONTROLLER, started, time.time_ns(), 0))
-            if stop is not None:  # the batch that stopped the trace: answer with the hosts
+            if batch.stop is not None:  # the batch that stopped the trace: answer with the hosts
                 self.reports.send(P.TRACE_EVENTS, [P.pack(P.TraceEvents(
-                    P.TRACE_EVENTS, stop, P.CONTROLLER, os.getpid(), 0, self.trace_events))])
+                    P.TRACE_EVENTS, batch.stop, P.CONTROLLER, os.getpid(), 0,
+                    self.trace_events))])
                 self.trace_events = None
         self.send_to_hosts(records_out)
         for token, waiting in list(self.syncs.items()):
             if not waiting:
                 self.ack_sync(token)
-        if config.debug:
-            ms = (time.perf_counter() - t0) * 1e3
-            log.debug("[dtorch controller] batch: %d records -> %d, %d windows replayed, %.2f ms",
-                      len(records), len(records_out), replayed, ms)
+        log.debug("batch: %d records -> %d, %d windows replayed, %.2f ms", len(records),
+                  len(records_out), replayed, (time.perf_counter() - t0) * 1e3)
 
-    def run_passes(self, nodes: list) -> list:
-        """``PASSES`` over a segment of the batch (``Replayer``), its graph written if asked."""
-        for run_pass in PASSES:
-            nodes = run_pass(self.graph, nodes)
+    # -- the intake: what each record of a client batch does here (``INTAKE``) -----------------
+    # Definitions go first, as the client made them: a spec a redistribute's plan passes
+    # through may carry the id of one the client defines later in the batch.
+    def take_definition(self, rec, batch: Batch) -> None:
+        self.graph.define(rec)
+        batch.definitions.append(rec)
+
+    def take_mesh(self, rec, batch: Batch) -> None:
+        mesh = P.DefineMesh(*rec)
+        self.graph.define(rec)
+        if self.machines is None:
+            self.ensure_hosts(mesh.device_type, mesh.devices)
+        elif (error := self.machines.check_mesh(mesh.device_type, mesh.devices)):
+            raise LostBatch(error)
+        batch.definitions.append(rec)
+
+    def take_call(self, rec, batch: Batch) -> None:
+        self.graph.define(rec)
+        if P.DefineCall(*rec).kind != P.CallKind.REDISTRIBUTE:  # lowered here, never sent
+            batch.definitions.append(rec)
+
+    def take_sync(self, rec, batch: Batch) -> None:
+        self.syncs[P.Sync(*rec).token] = set(self.peers())
+        batch.nodes.append(rec)
+
+    def take_cluster_query(self, rec, batch: Batch) -> None:
+        if self.machines is not None:  # MainNode asks only a cluster's main node
+            self.machines.query(rec)
+
+    def take_shutdown(self, rec, batch: Batch) -> None:
+        self.running = False
+
+    def take_graph_dir(self, rec, batch: Batch) -> None:
+        self.graph_dir = rec[1]
+
+    def take_trace(self, rec, batch: Batch) -> None:
+        trace = P.Trace(*rec)
+        self.tracing = bool(trace.on)
+        self.trace_events = [] if trace.on else self.trace_events
+        batch.stop = None if trace.on else trace.request
+        batch.nodes.append(rec)
+
+    def take_node(self, rec, batch: Batch) -> None:
+        """A record the passes carry to the hosts as it is (a fetch)."""
+        batch.nodes.append(rec)
+
+    INTAKE: ClassVar[dict] = {  # tag -> handler; any other record is a node (``take_node``)
+        P.DEFINE_MESH: take_mesh, P.DEFINE_SPEC: take_definition, P.DEFINE_CALL: take_call,
+        P.SYNC: take_sync, P.CLUSTER_QUERY: take_cluster_query, P.SHUTDOWN: take_shutdown,
+        P.GRAPH: take_graph_dir, P.TRACE: take_trace,
+    }
+
+    def lowered(self, nodes: list) -> list:
+        """The passes over a segment of the batch (``Replayer``), each a span of the trace
+        when one is on; the segment's graph written if asked."""
+        nodes = run_passes(self.graph, nodes, self.trace_events)
         if self.graph_dir is not None and nodes:
             self.write_graph(nodes)
         return nodes

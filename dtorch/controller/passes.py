@@ -2,26 +2,25 @@
 
 A batch is a list of nodes: Operators, releases (bare int ids), and the client's other records
 (fetch, sync, definitions) left as they came. Each pass is a named function
-``(graph, nodes) -> nodes``; DEBUG=1 prints how many nodes each left.
+``(graph, nodes) -> nodes``; ``run_passes`` logs each by name on the ``dtorch.controller``
+logger at DEBUG (``DTORCH_DEBUG=1`` prints it) with the nodes it took and left, and adds each
+to a trace as a span of its own (``dtorch.profiler``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import msgpack
 
 from .. import protocol as P
-from ..protocol import COMM, IMPURE, INPLACE, RECORD, VIEW, WRITES, CallKind, written
+from ..protocol import COMM, IMPURE, INPLACE, RECORD, CallKind
 from ..placement import Replicate
 from ..redistribute import COMM_STEPS, plan_redistribute
 from ..spec import intern_spec
-from .graph import Operator
-
-COMM_STREAM = 0  # one per device, shared by all graphs: collectives keep one order everywhere
-
-
-def compute_stream(graph_id: int) -> int:
-    return graph_id + 1
-
+from .logical_graph import Operator
+from .streams import COMM_STREAM, compute_stream
 
 # -- lower_redistribute ---------------------------------------------------------------------------
 
@@ -123,217 +122,33 @@ def eliminate_dead_code(graph, nodes: list) -> list:
 
 
 # -- assign_streams -------------------------------------------------------------------------------
-# A storage is the memory behind a tensor and its views. Every access to it happens on one stream
-# at one position (kernels and fetches count the items queued on each stream). A wait is for the
-# event the host records at the other stream's tail, and a write waits for every access on the
-# other streams, so the last write is ordered after all that came before it: a reader need only
-# wait for the last write, and a writer for the accesses since. A storage's record is a list,
-# as one is made per result and a list costs a fraction of a class instance to make:
-#
-#     [stream of the last write, its position, the last access's position on that stream,
-#      {other stream: its last access since the write} or None, live views of it]
-
-WRITER, WRITTEN, LAST, OTHERS, VIEWS = range(5)
-
-
-class StreamState:
-    """What stream assignment remembers across batches.
-
-    ``position[s]`` counts the items queued on stream s. ``storages`` holds the record (above)
-    of every live tensor's storage, keyed by the id of the tensor that made it. ``roots[v]`` is
-    ``(storage key, stream, position, scope)`` for a view v (a VIEW operator's result, or a view
-    of a view): the view's own handle is made there, so its users also wait for that point.
-    ``covered[s, scope][t]`` is the position on stream t that stream s has waited for on the
-    devices of ``scope`` (``CallInfo.scope``): a host records a WAIT's events on the waiting
-    kernel's devices only."""
-
-    def __init__(self):
-        self.position: dict = {}
-        self.storages: dict = {}
-        self.roots: dict = {}
-        self.covered: dict = {}
 
 
 def assign_streams(graph, nodes: list) -> list:
     """Puts collectives on the communication stream and the rest on the compute stream of the
-    graph their record names, and orders each access to a storage after the accesses on other streams it
-    conflicts with, whichever graph issued them:
-
-        read after write    a kernel waits for the last write of each storage it reads
-        write after read    an in-place kernel waits for the reads since the last write
-        write after write   ... and for that write (a result is a fresh storage: no wait)
-
-    An in-place kernel writes operand 0, and the operands its ``WRITES`` flags name.
-
-    A VIEW operator reads operand 0's storage (it may copy: ``contiguous``, ``reshape``) and its
-    results alias it. A fetch reads on a stream already past the storage's last write and its
-    view's making, so it waits for nothing; later writes on other streams wait for it."""
-    st = graph.streams
-    position, storages, roots = st.position, st.storages, st.roots
+    graph their record names, and orders each access to a storage after the accesses on other
+    streams it conflicts with, whichever graph issued them (the rule: ``controller/streams.py``,
+    whose state ``graph.streams`` carries across batches). A fetch reads on a stream already
+    past the storage's last write and its view's making, so it waits for nothing; later writes
+    on other streams wait for it."""
+    order = graph.streams
     out = []
     for node in nodes:
         if type(node) is Operator:
-            flags = node.call.flags
             rec = node.rec  # its graph, until now
-            s = COMM_STREAM if flags & COMM else compute_stream(rec[P.OP_STREAM])
+            s = COMM_STREAM if node.call.flags & COMM else compute_stream(rec[P.OP_STREAM])
             rec[P.OP_STREAM] = s
-            pos = position[s] = position.get(s, 0) + 1
-            after = None  # stream -> the position on it this kernel must come after
-            for i in node.inputs:
-                view = roots.get(i)
-                m = storages.get(i if view is None else view[0])
-                if m is not None:
-                    if m[WRITER] == s:
-                        m[LAST] = pos
-                    else:  # read after write
-                        after = _join(after, m[WRITER], m[WRITTEN])
-                        touch(m, s, pos)
-                if view is not None and view[1] != s:  # the view's handle is made there
-                    after = _join(after, view[1], view[2])
-            if flags & (INPLACE | VIEW):
-                after = _write_or_alias(st, node, s, pos, after)
-                if flags >= WRITES:  # the other operands it writes in place
-                    for k in written(flags):
-                        after = _write(st, node.operands[k], s, pos, after)
-            else:
-                for o in node.outs:
-                    storages[o] = [s, pos, pos, None, 0]
-            if after:
-                _wait_for_each(st, node, after)
+            node.waits = order.kernel(node, s)
             out.append(node)
         elif type(node) is int:
-            view = roots.pop(node, None) if roots else None
-            r = node if view is None else view[0]
-            m = storages.pop(r, None)
-            if m is not None and m[VIEWS]:  # one of its ids is gone, not the storage
-                m[VIEWS] -= 1
-                storages[r] = m
+            order.release(node)
             out.append(node)
         elif node[0] == P.FETCH:
             fetch = P.Fetch(*node)
-            out.append(P.HostFetch(P.FETCH, fetch.id, fetch.request,
-                                   _fetch_stream(graph, fetch.id)))
+            out.append(P.HostFetch(P.FETCH, fetch.id, fetch.request, order.fetch(fetch.id)))
         else:
             out.append(node)
     return out
-
-
-def _write(st: StreamState, base: int, s: int, pos: int, after):
-    """A write of tensor ``base``'s storage at position ``pos`` of stream ``s``, after every
-    access to it on the other streams. Returns what the kernel must come after."""
-    view = st.roots.get(base)
-    r = base if view is None else view[0]
-    m = st.storages.get(r)
-    if m is None:  # a tensor this runtime did not make: nothing to order against
-        st.storages[r] = [s, pos, pos, None, 0]
-        return after
-    if m[WRITER] != s:  # write after write, and after the reads on the writer's stream
-        after = _join(after, m[WRITER], m[LAST])
-    if m[OTHERS] is not None:
-        for t, p in m[OTHERS].items():  # write after read
-            if t != s:
-                after = _join(after, t, p)
-    m[:VIEWS] = s, pos, pos, None
-    return after
-
-
-def _join(after, t: int, pos: int) -> dict:
-    """``after`` (None: empty) now also comes after position ``pos`` of stream ``t``."""
-    if after is None:
-        return {t: pos}
-    if after.get(t, 0) < pos:
-        after[t] = pos
-    return after
-
-
-def touch(m: list, s: int, pos: int) -> None:
-    """Records an access to storage ``m`` at position ``pos`` of stream ``s``."""
-    if m[WRITER] == s:
-        m[LAST] = pos
-    elif m[OTHERS] is None:
-        m[OTHERS] = {s: pos}
-    else:
-        m[OTHERS][s] = pos
-
-
-def _write_or_alias(st: StreamState, node: Operator, s: int, pos: int, after):
-    """An in-place kernel writes operand 0's storage (``_write``); a view's results share it.
-    Returns what the kernel must come after."""
-    base = node.operands[0]
-    if node.call.flags & INPLACE:
-        return _write(st, base, s, pos, after)
-    view = st.roots.get(base)
-    r = base if view is None else view[0]
-    m = st.storages.get(r)
-    if m is None:
-        for o in node.outs:
-            st.storages[o] = [s, pos, pos, None, 0]
-    else:
-        for o in node.outs:  # split and unbind make several views
-            st.roots[o] = (r, s, pos, node.call.scope)
-        m[VIEWS] += len(node.outs)
-    return after
-
-
-def _fetch_stream(graph, tensor_id: int) -> int:
-    """A fetch queues on the stream of its storage's last write, or of its view's making if
-    that came later (the view read the storage, so it came after the write; a later write
-    waited for it): either way it needs no wait. It counts as a read there, so a write queued
-    later on another stream waits for it (write after read)."""
-    st = graph.streams
-    view = st.roots.get(tensor_id)
-    m = st.storages.get(tensor_id if view is None else view[0])
-    if m is None:  # nothing made it (a fetch of a released id fails on any stream)
-        return compute_stream(0)
-    s = m[WRITER]
-    if view is not None and view[1] != s and not _has_waited(st, s, view):
-        s = view[1]  # made after the last write
-    pos = st.position[s] = st.position.get(s, 0) + 1
-    touch(m, s, pos)
-    return s
-
-
-def _has_waited(st: StreamState, s: int, view: tuple) -> bool:
-    """Stream ``s`` has waited for the point where ``view`` was made, on the view's devices."""
-    _, t, pos, scope = view
-    return st.covered.get((s, scope), {}).get(t, 0) >= pos
-
-
-def _wait_for_each(st: StreamState, node: Operator, after: dict) -> None:
-    """Waits for each stream of ``after`` (stream -> position, none the node's own). A stream
-    whose own waits cover the others' positions goes first, so those need no wait of their
-    own (a compute stream that waited for a collective which waited for another graph)."""
-    streams = list(after)
-    if len(streams) > 1:
-        scope = node.call.scope
-
-        def covers(t):
-            seen = st.covered.get((t, scope), {})
-            return sum(seen.get(u, 0) >= p for u, p in after.items())
-
-        streams.sort(key=covers, reverse=True)
-    for t in streams:
-        _wait_for(st, node, t, after[t])
-
-
-def _wait_for(st: StreamState, node: Operator, t: int, pos: int) -> None:
-    """Makes ``node`` wait for stream ``t`` up to ``pos``, unless its stream has waited that
-    far already. The host records the event at t's tail, so the wait covers all of t queued so
-    far, and all that t had waited for: that is kept too, so a wait through a third stream is
-    not repeated."""
-    s, scope = node.rec[P.OP_STREAM], node.call.scope
-    covered = st.covered.get((s, scope))
-    if covered is None:
-        covered = st.covered[s, scope] = {}
-    if covered.get(t, 0) >= pos:
-        return
-    covered[t] = st.position.get(t, 0)
-    for u, q in st.covered.get((t, scope), {}).items():
-        if u != s and covered.get(u, 0) < q:
-            covered[u] = q
-    if node.waits is None:
-        node.waits = []
-    node.waits.append(t)
 
 
 # -- fuse_chains ----------------------------------------------------------------------------------
@@ -409,3 +224,17 @@ def _links(graph, a: Operator, b: Operator, reads, released) -> bool:
 
 
 PASSES = (lower_redistribute, eliminate_dead_code, assign_streams, fuse_chains)
+log = logging.getLogger("dtorch.controller")
+
+
+def run_passes(graph, nodes: list, spans: list | None = None) -> list:
+    """``PASSES`` over ``nodes``, each named with the nodes it took and left in the DEBUG log
+    and, given ``spans`` (a trace's events: ``protocol.TraceEvents``), as a span."""
+    for run_pass in PASSES:
+        taken, t0 = len(nodes), time.time_ns()
+        nodes = run_pass(graph, nodes)
+        if spans is not None:
+            spans.append((f"{run_pass.__name__}: {taken} -> {len(nodes)} nodes", P.CONTROLLER,
+                          P.CONTROLLER, t0, time.time_ns(), 0))
+        log.debug("%s: %d -> %d nodes", run_pass.__name__, taken, len(nodes))
+    return nodes

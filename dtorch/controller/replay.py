@@ -8,23 +8,22 @@ a period (``periodic``), cuts that stretch into windows of whole periods (``wind
 each window shape once. A later window of the same shape (``shape_of``) takes the decisions as
 they are: which of its records survive dead-code elimination, which chain, the stream, which
 releases follow. Its own records already carry its ids and scalars, so replaying is picking them
-out (``Replayer.replay``): no Operator is made and no pass runs.
+out (``Replayer.run``): no Operator is made and no pass runs.
 
-When a window is cached and replayed (``Program``):
+When a window is cached (a ``LoweredWindow``) and replayed:
 
     cached     its lowering is the window's own records on one compute stream with no wait:
                no collective, redistribute, recorded call or VJP, no definition made, and no
                view it makes outlives it
-    replayed   the passes would insert no wait either (``Replayer.advance``): an outside input
+    replayed   the passes would insert no wait either (``StreamOrder.replay``): an outside input
                it writes was last written on that stream with no other stream's access since;
                one it reads was last written (a view: and made) on that stream, or on one this
                stream has waited for since, on the devices of the kernels that read it
 
-Replay then moves the stream state on as ``assign_streams`` would, except that every result it
-leaves alive and every outside input its kernels write or read counts as accessed at the window's
-last position, not its own: a later wait for one of them waits for that point, which is correct,
-at worst a few kernels late. (An input only its dead code read is not accessed: the passes
-dropped that code.)
+Replay then moves the stream state on exactly as ``assign_streams`` would have, through the
+same rule (``controller/streams.py``): the first lowering of a shape leaves its ``Footprint``,
+where in the window each outside input's storage and each result left alive was last written
+and accessed. (An input only its dead code read is not accessed: the passes dropped that code.)
 
 A replayed window's dead-code elimination and chains stop at its edges (it was lowered alone, as
 was the first window of its shape); windows that do not replay are lowered with their neighbours.
@@ -36,9 +35,10 @@ import itertools
 from typing import NamedTuple
 
 from .. import config, protocol as P
-from ..protocol import COMM, INPLACE, RECORD, VIEW, written
-from .graph import Operator
-from .passes import LAST, OTHERS, VIEWS, WRITER, WRITTEN, Chain, compute_stream, touch
+from ..protocol import COMM, INPLACE, RECORD
+from .logical_graph import Operator
+from .passes import Chain
+from .streams import Footprint, compute_stream
 
 MIN_WINDOW = 128  # records: shorter windows of a short period cost more per record than they save
 MAX_PERIOD = 2048  # records
@@ -47,26 +47,16 @@ MAX_PROGRAMS = 4096  # cached window shapes; past it the cache starts again
 RELEASE = None  # in a window's key: a release's ref follows
 
 
-class Program(NamedTuple):
+class LoweredWindow(NamedTuple):
     """A lowered window shape, defined to the hosts as ``id`` (``P.DefineProgram``, which
-    holds its kernels), whose kernels run on ``stream`` (its graph's compute stream).
-    ``positions``: the stream positions its operators take. ``readers``: for each outside input
-    (by number) its kernels read or write (not one only its dead code read), the device sets
-    (``CallInfo.scope``) of those kernels: a wait they no longer need must have been made on
-    each (a view made in the window is read on its base's devices). ``written``: the outside
-    inputs written in place; ``released``: those released. ``survivors``: the results (by
-    number) left alive."""
+    holds its kernels), and what a replay of it does to the stream state (``footprint``: its
+    kernels run on its graph's compute stream)."""
 
     id: int
-    stream: int
-    positions: int
-    readers: dict
-    written: frozenset
-    released: frozenset
-    survivors: tuple
+    footprint: Footprint
 
 
-UNFIT = Program(0, 0, 0, {}, frozenset(), frozenset(), ())  # never replays
+UNFIT = LoweredWindow(0, None)  # never replays
 
 
 def periodic(keys: list, min_length: int = 0):
@@ -239,7 +229,7 @@ class Replayer:
 
     def __init__(self, graph, passes, encode):
         self.graph, self.passes, self.encode = graph, passes, encode
-        self.programs: dict = {}  # (graph, window key) -> Program
+        self.programs: dict = {}  # (graph, window key) -> LoweredWindow
         self.program_ids = itertools.count(1)
         self.fit: dict = {}  # call id -> whether a window with it may replay
         self.replayed = 0  # windows replayed in the last batch (for its trace span)
@@ -330,9 +320,7 @@ class Replayer:
         stream = compute_stream(key[0])
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
-        number = {t: k for k, t in enumerate(outside)}
-        steps, positions, readers, written_ids = [], 0, {}, set()
-        base = {}  # a view made in the window -> the tensor whose storage it views
+        steps, kernels = [], []
         for node in lowered:
             if type(node) is int:
                 continue  # a release: the hosts free what the window made at its last use
@@ -341,91 +329,31 @@ class Replayer:
             if members is None:  # a definition, or another record: not a pure window
                 return
             for m in members:  # (its calls may replay: ``graph_of``)
-                flags = m.call.flags
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
-                for t in m.inputs:
-                    readers.setdefault(t, set()).add(m.call.scope)
-                if flags & VIEW:
-                    root = base.get(m.operands[0], m.operands[0])
-                    base.update((o, root) for o in m.outs)
-                elif flags & INPLACE:  # a write through a view writes its base's storage
-                    written_ids.update(base.get(t, t) for t in (
-                        m.operands[0], *(m.operands[k] for k in written(flags))))
                 outs, operands = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands])
-            positions += len(members)
+            kernels += members
         released = {r for r in window if type(r) is int}
-        survivors = [k for k, t in enumerate(made) if t not in released]
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
-        if any(made[k] in base for k in survivors):  # a view left alive: the stream state
-            self.programs[key] = UNFIT  # would need its base's storage; lowered as usual
+        footprint = Footprint.of(stream, kernels, outside, made, released)
+        if footprint is None:  # a view left alive: lowered as usual
+            self.programs[key] = UNFIT
             return
-        program = Program(
-            next(self.program_ids), stream, positions,
-            {number[t]: frozenset(scopes) for t, scopes in readers.items() if t in number},
-            frozenset(number[t] for t in written_ids if t in number),
-            frozenset(number[t] for t in released if t in number), tuple(survivors))
+        program = LoweredWindow(next(self.program_ids), footprint)
         self.programs[key] = program
         n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
                         self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
         definition = list(P.DefineProgram(
             P.DEFINE_PROGRAM, program.id, len(outside), len(made), n_scalars, steps,
-            survivors, sorted(program.released)))
+            [k for k, _, _ in footprint.results], sorted(footprint.released)))
         self.graph.definitions.append(definition)
         out.append(definition)
 
     # -- replaying (a hit) ----------------------------------------------------------------------
-    def advance(self, program: Program, outside: list, made: list) -> bool:
+    def advance(self, program: LoweredWindow, outside: list, made: list) -> bool:
         """Moves the stream state on past a replay of ``program`` binding ``outside`` and
-        ``made``; False (nothing done) when the passes would make it wait: an outside input is
-        written here and was touched on another stream, or is read here and was last written
-        (or, for a view, made) on another stream not yet waited for on the program's devices."""
-        st, stream = self.graph.streams, program.stream
-        storages, roots, covered = st.storages, st.roots, st.covered
-        readers = program.readers
-        for k, t in enumerate(outside):
-            scopes = readers.get(k)
-            if scopes is None:  # released, or read by dead code only: no access
-                continue
-            view = roots.get(t)  # (its base's storage key, stream, position, devices)
-            m = storages.get(t if view is None else view[0])
-            if view is not None and view[1] != stream and not all(
-                    covered.get((stream, scope), {}).get(view[1], 0) >= view[2]
-                    for scope in scopes):
-                return False  # a view whose handle was made on a stream not waited for
-            if m is None:
-                continue
-            writer = m[WRITER]
-            if k in program.written:
-                if writer != stream or m[OTHERS] is not None:
-                    return False
-            elif writer != stream and not all(
-                    covered.get((stream, scope), {}).get(writer, 0) >= m[WRITTEN]
-                    for scope in scopes):
-                return False
-        end = st.position[stream] = st.position.get(stream, 0) + program.positions
-        for k, t in enumerate(outside):
-            released = k in program.released
-            if k not in readers and not released:
-                continue
-            view = roots.pop(t, None) if released else roots.get(t)
-            storage = t if view is None else view[0]
-            m = storages.get(storage)
-            if k in readers:
-                if m is not None:
-                    if k in program.written:
-                        m[WRITTEN] = m[LAST] = end
-                    else:
-                        touch(m, stream, end)  # a read, here or on the writer's stream
-                elif k in program.written:
-                    m = storages[storage] = [stream, end, end, None, 0]
-            if released and m is not None:
-                if m[VIEWS]:  # one of its ids is gone, not the storage
-                    m[VIEWS] -= 1
-                else:
-                    del storages[storage]
-        for k in program.survivors:
-            storages[made[k]] = [stream, end, end, None, 0]
-        return True
+        ``made``; False (nothing done) when the passes would make it wait
+        (``StreamOrder.replay``)."""
+        return self.graph.streams.replay(program.footprint, outside, made)

@@ -92,7 +92,7 @@ class KernelRun(Runner):
                 if type(result) is Failure:
                     break
                 if self.host.log_kernels:
-                    log.debug("[dtorch host %d] %s %s done at %.6f", self.host.index,
+                    log.debug("host %d: %s %s done at %.6f", self.host.index,
                               threading.current_thread().name, call.name, time.perf_counter())
         if type(result) is Failure:
             self._fail(result)

@@ -309,7 +309,7 @@ class Fuser:
             try:
                 self._compile(probe)
             except Exception:  # logged: a failed compile leaves the program unfused
-                log.debug("dtorch host: a program stays unfused", exc_info=True)
+                log.debug("a program stays unfused", exc_info=True)
             sys.setswitchinterval(switch)
             with self._lock:
                 self.busy -= 1
@@ -340,7 +340,7 @@ class Fuser:
                 compiled = inductor_compile(make_fx(fn)(*args), list(args))
                 got = compiled(*args)
             except Exception:  # logged: this segment stays unfused, the others may not
-                log.debug("dtorch host: a stretch of %d kernels stays unfused", len(kernels),
+                log.debug("a stretch of %d kernels stays unfused", len(kernels),
                           exc_info=True)
                 continue
             if len(got) != len(expected) or not all(map(same_bits, got, expected)):

@@ -3,8 +3,8 @@
 Operands are tensor ids; an Operator is one call of an operator (its CallInfo says which
 operator, the specs of its operands and results, static args and flags). The controller holds
 only the incremental subgraph of the batch in hand; what was dispatched is remembered just as far
-as later batches need it (where each live storage was last written and read: see
-``passes.assign_streams``).
+as later batches need it (where each live storage was last written and read: ``streams``, the
+stream rule's ``StreamOrder``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from .. import protocol as P
 from ..spec import MeshInfo
+from .streams import StreamOrder
 
 
 class CallInfo(NamedTuple):
@@ -43,7 +44,8 @@ class CallInfo(NamedTuple):
 class Operator:
     """A node of the incremental subgraph. ``rec`` is its wire record,
     ``[OP, call, site, graph, *outs, *operands]``, which becomes the hosts' KERNEL record in
-    place, the graph replaced by the stream (see protocol.py); ``outs`` and ``inputs`` (the tensor operands) are read off it once."""
+    place, the graph replaced by the stream (see protocol.py); ``outs`` and ``inputs`` (the
+    tensor operands) are read off it once."""
 
     __slots__ = ("call", "rec", "outs", "inputs", "waits")
 
@@ -96,6 +98,7 @@ class LogicalGraph:
         self._temp_ids = itertools.count(-1, -1)  # controller-made operands and specs
         self._call_ids = itertools.count(-1, -1)
         self._scopes: dict = {}  # frozenset of (device type, device) -> small int
+        self.streams = StreamOrder()
 
     # -- definitions ----------------------------------------------------------------------------
     def define(self, rec) -> None:
