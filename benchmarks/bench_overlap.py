@@ -69,6 +69,6 @@ def main(rounds: int, path: str | None) -> None:
 
 
 if __name__ == "__main__":
-    with dtorch.config.override(cpu_hosts=2):
+    with dtorch.config.Context(cpu_hosts=2):
         main(int(sys.argv[1]) if len(sys.argv) > 1 else 5, sys.argv[2] if len(sys.argv) > 2
              else None)
