@@ -38,6 +38,7 @@ def test_a_long_kernel_is_not_a_dead_host(mesh1):
 
 
 CTRL_C = CLIENT_PRELUDE + """
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, however pytest runs
 sys.path.insert(0, os.path.dirname(os.path.abspath("reliability_kernels.py")))
 from reliability_kernels import busy_until_released
 mesh = dtorch.init_device_mesh("cpu", (2,))

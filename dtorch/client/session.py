@@ -150,6 +150,8 @@ class Session(Receiving):
     def __init__(self):
         self.records = deque()
         self.flush_at = config.flush_records  # a batch's size, read as it begins (append)
+        self.inflight_bound = config.max_inflight_ops  # (as flush_at: a flush may run on the
+        # flusher thread, which does not see the user's ``config.Context``)
         self.ids = _tensor_ids  # tensor ids; the controller uses negative ones
         # ids are the process's: a tensor of an ended runtime (any id up to this one) that
         # dies during this one's life has nothing here to release
@@ -219,7 +221,8 @@ class Session(Receiving):
         records = self.records
         if not records:
             self.wake()
-            self.flush_at = config.flush_records  # read once a batch: a knob read costs a call
+            # read once a batch, in the user's thread: a knob read costs a call
+            self.flush_at, self.inflight_bound = config.flush_records, config.max_inflight_ops
         records.append(record)
         if len(records) >= self.flush_at:
             self.flush()
@@ -268,7 +271,7 @@ class Session(Receiving):
                 spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
                           (f"flush {n} records", P.CLIENT, 1, flushed, time.time_ns(), 0)]
         self.unmarked += n
-        if self.unmarked * MARKS >= config.max_inflight_ops:
+        if self.unmarked * MARKS >= self.inflight_bound:
             self._mark()
 
     def _take_unsendable(self, batch: list) -> list:
