@@ -19,7 +19,6 @@ from dtorch.cluster import main_node
 from dtorch.cluster.main_node import MainNode
 from dtorch.cuda import nvtx, nvtx_kernels
 from dtorch.global_option import GlobalOption
-from dtorch.launcher import local
 
 
 def host_events(x, name):
