@@ -5,11 +5,13 @@ theirs: it holds state only (no sockets, no client, no registry), so the layers 
 ask it what the user's thread is doing instead of importing the client.
 
 - **Graphs.** Each thread has a default graph and the graphs it has entered with ``with graph:``
-  (innermost last): ``per_thread`` (a ``threading.local``). ``per_thread.graph_id`` is the id of
-  the graph the thread issues to, which every operator's record carries, so it is a plain
-  attribute, read once per operator. A thread's default graph is made on its first use, of the
-  class ``dtorch/graph.py`` names when it defines it (``plug_graph_type``); its id is taken when
-  the thread first touches this module's state, so the importing thread's default graph is 0.
+  (innermost last): ``per_thread`` (a ``threading.local``). The innermost, else the default, is
+  the *current* graph: factories make their tensors on it. Other operators run on their
+  operands' graph, which each tensor records; one whose operands are on several graphs on the
+  innermost ``with graph:`` when it is one of them (``client/dispatch.graph_of``). A thread's default graph is made on its first
+  use, of the class ``dtorch/graph.py`` names when it defines it (``plug_graph_type``); its id
+  is taken when the thread first touches this module's state, so the importing thread's
+  default graph is 0.
 - **Defaults.** The mesh and dtype of tensors made without one: the current graph's
   (``default_mesh``, ``default_dtype``; a graph's guards set them).
 - **The session**, as an opaque handle: ``session()`` is the running runtime's session (started on
@@ -34,54 +36,69 @@ def new_graph_id() -> int:
     return next(_graph_ids)
 
 
-def _no_graph_type(graph_id):
-    raise RuntimeError("dtorch: a graph was asked for before dtorch.graph defined Graph "
-                       "(import dtorch first)")
+class _NoGraphType:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("dtorch: a graph was asked for before dtorch.graph defined Graph "
+                           "(import dtorch first)")
 
 
-_graph_type: Callable = _no_graph_type  # (graph_id) -> a Graph with that id
+_graph_type: type = _NoGraphType  # ``dtorch.graph.Graph``, once it is defined
 
 
-def plug_graph_type(make: Callable) -> None:
-    """``make(graph_id)``: a new Graph with that id (``dtorch.graph.Graph``'s, for defaults)."""
+def plug_graph_type(graph_type: type) -> None:
+    """``graph_type``: the Graph class (``dtorch.graph.Graph``); ``graph_type(_id=n)`` makes
+    the graph of id ``n`` (a thread's default)."""
     global _graph_type
-    _graph_type = make
+    _graph_type = graph_type
 
 
 class ThreadGraphs(threading.local):
-    """One thread's graphs: its default graph (made on first use), the graphs it has entered
-    (innermost last), and ``graph_id``, the id of the one it issues to. Each thread gets its own
-    on first use."""
+    """One thread's graphs: its default graph (made on first use) and the graphs it has entered
+    (innermost last). Each thread gets its own on first use."""
 
     def __init__(self) -> None:
         self.default_id = new_graph_id()
-        self.graph_id = self.default_id
         self.stack: list = []
         self._default = None
 
     @property
     def default(self):
         if self._default is None:
-            self._default = _graph_type(self.default_id)
+            self._default = _graph_type(_id=self.default_id)
         return self._default
 
     def enter(self, graph) -> None:
         self.stack.append(graph)
-        self.graph_id = graph.id
 
     def exit(self) -> None:
         self.stack.pop()
-        self.graph_id = self.stack[-1].id if self.stack else self.default_id
 
 
 per_thread = ThreadGraphs()  # the importing thread's default graph is the first: id 0
 
 
 def current_graph():
-    """The graph the calling thread issues to: the innermost ``with graph:``, else the thread's
+    """The calling thread's current graph: the innermost ``with graph:``, else the thread's
     default graph."""
     state = per_thread
     return state.stack[-1] if state.stack else state.default
+
+
+def entered_graph():
+    """The calling thread's innermost ``with graph:``, or None outside every such block."""
+    stack = per_thread.stack
+    return stack[-1] if stack else None
+
+
+def graph_or_current(graph, name: str):
+    """A factory's ``graph=``: that Graph, else the current graph; anything else is refused at
+    the user's line."""
+    if graph is None:
+        return current_graph()
+    if not isinstance(graph, _graph_type):
+        raise TypeError(f"dtorch.{name}: graph must be a dtorch.Graph, got "
+                        f"{type(graph).__name__}")
+    return graph
 
 
 def cpu0() -> DeviceMesh:

@@ -3,17 +3,25 @@
 dtorch.Graph: a stream of operators with its own compute streams on every device, and the
 defaults (mesh, dtype) of the tensors made on it.
 
-Operators issued inside ``with graph:`` run on that graph's compute streams, so work of two
-graphs can run concurrently on one device (inter-graph parallelism); collectives of all graphs
-share each device's communication stream, which keeps them in one order on every device.
-Each thread has a default graph of its own (``Graph.default_graph()``); the importing thread's
-is ``dtorch.default_graph``. ``with`` blocks nest, per thread: a thread's ``with graph:`` moves
-only that thread's operators (each operator's record names its graph).
+A tensor belongs to the graph it was made on (``x.graph``), and operators on it run there, on
+that graph's compute streams, so work of two graphs can run concurrently on one device
+(inter-graph parallelism); collectives of all graphs share each device's communication stream,
+which keeps them in one order on every device. Factories make their tensors on the graph given
+as ``graph=``, else on the calling thread's current graph: the innermost ``with graph:``, else
+the thread's own default graph (``Graph.default_graph()``; the importing thread's is
+``dtorch.default_graph``). An operator whose tensor operands are on several graphs runs on the
+innermost ``with graph:`` when that is one of them, else on its first tensor operand's graph;
+its results belong to the graph it ran on. Which graph runs an operator never changes its value: the controller
+orders every access to a tensor after the conflicting accesses of other streams, whichever
+graph made them. ``with`` blocks nest, per thread.
 
 >>> import dtorch
 >>> g = dtorch.Graph()
 >>> with g:
-...     y = dtorch.ones(3).sum()
+...     x = dtorch.ones(3)
+>>> y = x.sum()  # runs on x's graph, g
+>>> y.graph == g, y.graph != dtorch.default_graph
+(True, True)
 >>> g.sync()
 >>> with g.device_mesh_guard("cpu"), g.dtype_guard(None):
 ...     g.default_device_mesh.devices, g.default_dtype
@@ -25,9 +33,10 @@ every device: each GPU has a host process, CPU devices share ``config.cpu_hosts`
 processes (each device on threads of its own), and none runs in the user's process, so no
 device ever shares the user's GIL. The option is kept (``graph.option``) and changes nothing.
 
-Which graph a thread issues to is the context's (``current.py``: the stack of ``with graph:``
-blocks, per thread); a Graph's waits ask the session through the context's handle, so this
-module, like the operators, imports nothing of the client.
+A thread's current graph is the context's (``current.py``: the stack of ``with graph:``
+blocks, per thread), and the client picks each operator's graph (``client/dispatch.graph_of``);
+a Graph's waits ask the session through the context's handle, so this module, like the
+operators, imports nothing of the client.
 """
 
 from __future__ import annotations
@@ -138,7 +147,8 @@ class Graph:
 
     # -- waits ----------------------------------------------------------------------------------
     def sync(self, compiles: bool = False) -> None:
-        """Waits until every operator issued so far (on every graph and device) has run;
+        """Waits until every operator issued so far (on every graph and device, as DTorch's:
+        a graph's sync is not a wait for that graph alone) has run;
         raises the kernel errors reported since the last wait. ``compiles=True`` also waits
         until every kernel fusion those operators started (``dtorch.config.fusion``) is
         compiled and swapped in, or given up: what a benchmark of fused code waits for."""
@@ -272,7 +282,7 @@ def _used_devices(device_type: str) -> list:
                    for d in m.devices})
 
 
-current.plug_graph_type(lambda graph_id: Graph(_id=graph_id))
+current.plug_graph_type(Graph)
 default_graph = Graph.default_graph()  # the importing thread's
 
 

@@ -29,7 +29,7 @@ DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dty
 
 
 class Tensor:
-    __slots__ = ("_id", "_spec", "_name", "_requires_grad", "_node", "_grad",
+    __slots__ = ("_id", "_spec", "_graph", "_name", "_requires_grad", "_node", "_grad",
                  "_grad_placements", "__weakref__")
     # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
     __array_ufunc__ = None
@@ -67,6 +67,13 @@ class Tensor:
     @property
     def device_mesh(self):
         return self._spec.mesh
+
+    @property
+    def graph(self):
+        """The ``dtorch.Graph`` this tensor belongs to: where it was made (a factory's
+        ``graph=``, else the current graph), or where the operator that made it ran; operators
+        on it run there (``dtorch/graph.py``)."""
+        return self._graph
 
     @property
     def placements(self) -> list:
@@ -174,6 +181,7 @@ class Tensor:
         alias = value.detach()  # takes this tensor's old id, and releases it as it goes
         self._id, self._spec, alias._id, alias._spec = alias._id, alias._spec, self._id, \
             self._spec
+        self._graph = alias._graph
 
     @property
     def T(self) -> Tensor:
@@ -321,11 +329,13 @@ def tensors_redistribute_by_dict(tensors, device_mesh=None, placements_dict=None
     return move(tensors)
 
 
-def symbol(tensor_id: int, spec) -> Tensor:
-    """The Tensor for an id the client has issued (how the client makes every result)."""
+def symbol(tensor_id: int, spec, graph) -> Tensor:
+    """The Tensor for an id the client has issued on ``graph`` (how the client makes every
+    result)."""
     t = _new(Tensor)
     t._id = tensor_id
     t._spec = spec
+    t._graph = graph
     return t
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import torch
+
 import dtorch
 from dtorch import protocol as P
 from dtorch.client import session
@@ -71,8 +73,10 @@ def test_an_id_is_published_only_after_the_record_that_defines_it(one):
 
 
 def test_with_graph_in_one_thread_moves_only_its_operators(one):
-    """One thread stays inside ``with g:`` while another issues: the other's operator runs on
-    its own graph's compute stream (stream = graph id + 1), not on g's."""
+    """One thread stays inside ``with g:`` while another issues: the tensor the first makes
+    belongs to g and its operator runs on g's compute stream (stream = graph id + 1); the other
+    thread's tensor belongs to that thread's own default graph, and so does its operator; an
+    operator on a tensor of the importing thread's graph runs there, in either thread."""
     g = dtorch.Graph()
     x = dtorch.ones((4,), device_mesh=one)
     entered, issued, out = threading.Event(), threading.Event(), {}
@@ -81,12 +85,15 @@ def test_with_graph_in_one_thread_moves_only_its_operators(one):
         with g:
             entered.set()
             assert issued.wait(WAIT_S)
-            out["inside"] = x * 3.0
+            y = dtorch.full((4,), 2.0, device_mesh=one)
+            out["inside"], out["shared"] = y * 3.0, x.exp()
+            out["y graph"] = y.graph
 
     def outside():
         assert entered.wait(WAIT_S)
-        out["outside"] = x - 5.0
-        out["graph"] = dtorch.Graph.default_graph().id
+        z = dtorch.full((4,), 1.0, device_mesh=one)
+        out["outside"] = z - 5.0
+        out["graph"] = dtorch.Graph.default_graph()
         issued.set()
 
     with dtorch.profiler.profile() as prof:
@@ -95,10 +102,14 @@ def test_with_graph_in_one_thread_moves_only_its_operators(one):
             t.start()
         for t in threads:
             t.join(WAIT_S)
-        assert out["inside"].tolist() == [3.0] * 4 and out["outside"].tolist() == [-4.0] * 4
-    streams = {e["name"]: e["tid"] for e in prof.kernels() if e["name"] in ("mul", "sub")}
-    assert out["graph"] not in (g.id, dtorch.default_graph.id)
-    assert streams == {"mul": g.id + 1, "sub": out["graph"] + 1}
+        assert out["inside"].tolist() == [6.0] * 4 and out["outside"].tolist() == [-4.0] * 4
+        assert torch.equal(out["shared"].to_torch(), torch.ones(4).exp())
+    streams = {e["name"]: e["tid"] for e in prof.kernels() if e["name"] in ("mul", "sub", "exp")}
+    own = out["graph"]
+    assert own not in (g, dtorch.default_graph)
+    assert out["y graph"] == g and out["inside"].graph == g and out["outside"].graph == own
+    assert out["shared"].graph == dtorch.default_graph
+    assert streams == {"mul": g.id + 1, "sub": own.id + 1, "exp": dtorch.default_graph.id + 1}
 
 
 EXIT_PROGRAM = """

@@ -14,7 +14,8 @@ their own nodes, so an op's node always sees the layouts its kernel saw. No sess
 recorder before a tensor requires grad (``start``): until then recording costs nothing.
 
 Backward. Nodes are visited latest first. An operator's node issues one VJP call
-(``runtime/vjp.py``: ``torch.autograd.grad`` of the kept graph on each device); a
+(``runtime/vjp.py``: ``torch.autograd.grad`` of the kept graph on each device), on the
+``dtorch.Graph`` its forward ran on (as torch runs a backward op on its forward's stream); a
 redistribute's node issues the dual redistribute. Gradients are laid out in the *dual* of each
 tensor's layout, which is what makes a device's local VJP its share of the global one:
 
@@ -100,7 +101,7 @@ class Node:
     autograd graph (an operator's; a redistribute keeps none)."""
 
     __slots__ = ("order", "op", "call_id", "operands", "needs", "out_ids", "out_specs", "key",
-                 "gathered", "__weakref__")
+                 "gathered", "graph", "__weakref__")
 
     def __init__(self, op, call_id, operands, needs, outs, key=None):
         self.order = next(_order)
@@ -115,6 +116,7 @@ class Node:
         self.needs = needs
         self.out_ids = tuple([t._id for t in outs])
         self.out_specs = tuple([t._spec for t in outs])
+        self.graph = outs[0]._graph  # the graph the call ran on, which runs its VJP too
 
     def name(self) -> str:
         return "redistribute" if self.op is None else self.op.name
@@ -312,7 +314,7 @@ def _vjp(node, grads, retain: bool = False) -> list:
                                 comm, P.CallKind.VJP)  # a COMM kernel's communicates
         bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * (len(ins) - 1))
     with torch.no_grad():
-        result = dispatch.issue(s, bound, (node.key, *grads, *regathered), s.site())
+        result = dispatch.issue(s, bound, (node.key, *grads, *regathered), s.site(), node.graph)
     found = iter(result if isinstance(result, tuple) else (result,))
     return [next(found) if need else None for need in needs]
 

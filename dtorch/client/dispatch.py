@@ -12,6 +12,9 @@ a gradient, or None when the call is not recorded; ``announce(session, bound, op
 first result id)`` gives the id of the call as recorded and the key of what the hosts keep,
 having appended the record that announces it; ``record(bound, operands, results, needs, key)``
 follows the call's Op. Without a recorder a call costs one attribute test more.
+
+Each call runs on one graph (``graph_of``), whose id its Op record carries and whose compute
+streams run it; its results belong to that graph (``Tensor.graph``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import torch
 
 from .. import protocol as P
-from ..current import current_graph, per_thread
+from ..current import current_graph, entered_graph
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import INPLACE, freeze, lookup
@@ -89,13 +92,14 @@ def dispatch(op, operands: tuple, static: tuple, depth: int = 2):
             return dispatch(op, *sent)
         bound = s.bound[key] = bind(s, op, operands, static)
     site = s.site(depth)
+    graph = graph_of(operands, bound.mask)
     if bound.plain and s.recorder is None:  # ``issue``'s usual case, inlined: saves 10% a call
         t = _new(Tensor)
-        t._id, t._spec = next(s.ids), bound.outs[0]
-        s.append((_OP, bound.call_id, site, per_thread.graph_id, t._id,
+        t._id, t._spec, t._graph = next(s.ids), bound.outs[0], graph
+        s.append((_OP, bound.call_id, site, graph._id, t._id,
                   *_wire_operands(operands, bound.mask)))
         return t
-    return issue(s, bound, operands, site)
+    return issue(s, bound, operands, site, graph)
 
 
 # static args' types that need no look inside (anything else may be a sequence of numbers)
@@ -109,35 +113,53 @@ def _kinds(value):
     return type(value)
 
 
-def issue(s, b: Bound, operands, site: int):
+def graph_of(operands, mask):
+    """The graph a call runs on: its tensor operands' graph; when they are on several, the
+    calling thread's innermost ``with graph:`` if it is one of them, else the first tensor
+    operand's; with no tensor operand (a factory), the thread's current graph. One and two
+    operands on one graph, the usual cases, are spelled out: this runs for every operator."""
+    if mask and mask[0]:
+        graph = operands[0]._graph
+        if len(mask) == 1 or len(mask) == 2 and (not mask[1] or operands[1]._graph is graph):
+            return graph
+    graphs = [o._graph for o, m in zip(operands, mask) if m]
+    if not graphs:
+        return current_graph()
+    entered = entered_graph()
+    return entered if any(g is entered for g in graphs) else graphs[0]
+
+
+def issue(s, b: Bound, operands, site: int, graph):
+    """Issues the bound call ``b`` on ``graph`` (``graph_of``: the caller's choice), with the
+    redistributions its rule asks for before and after it."""
     if b.pre:
         operands = list(operands)
         for k, rb in b.pre:
-            operands[k] = issue(s, rb, (operands[k],), site)
+            operands[k] = issue(s, rb, (operands[k],), site, graph)
     vals = _wire_operands(operands, b.mask)
-    call_id, ids, graph = b.call_id, s.ids, per_thread.graph_id
+    call_id, ids, graph_id = b.call_id, s.ids, graph._id
     recorder = s.recorder
     needs = None if recorder is None else recorder.needs_of(b, operands)
     if b.inplace:
         target = operands[0]
-        s.append((P.OP, call_id, site, graph, target._id, *vals))
+        s.append((P.OP, call_id, site, graph_id, target._id, *vals))
         return target
     if b.single:
-        t = symbol(next(ids), b.outs[0])
+        t = symbol(next(ids), b.outs[0], graph)
         if needs is not None:
             call_id, key = recorder.announce(s, b, operands, needs, t._id)
-        s.append((P.OP, call_id, site, graph, t._id, *vals))
+        s.append((P.OP, call_id, site, graph_id, t._id, *vals))
         if needs is not None:
             recorder.record(b, operands, (t,), needs, key)
-        return issue(s, b.post[0], (t,), site) if b.post else t
-    outs = [symbol(next(ids), spec) for spec in b.outs]
+        return issue(s, b.post[0], (t,), site, graph) if b.post else t
+    outs = [symbol(next(ids), spec, graph) for spec in b.outs]
     if needs is not None:
         call_id, key = recorder.announce(s, b, operands, needs, outs[0]._id)
-    s.append((P.OP, call_id, site, graph, *[t._id for t in outs], *vals))
+    s.append((P.OP, call_id, site, graph_id, *[t._id for t in outs], *vals))
     if needs is not None:
         recorder.record(b, operands, outs, needs, key)
     if b.post:
-        outs = [issue(s, rb, (t,), site) if rb else t for t, rb in zip(outs, b.post)]
+        outs = [issue(s, rb, (t,), site, graph) if rb else t for t, rb in zip(outs, b.post)]
     return tuple(outs)
 
 
@@ -364,4 +386,4 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
         return t
     s = _session.current()
     b = bind_redistribute(s, spec, intern_spec(spec.shape, spec.dtype, mesh, placements))
-    return issue(s, b, (t,), s.site())
+    return issue(s, b, (t,), s.site(), t._graph)

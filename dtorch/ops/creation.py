@@ -216,12 +216,6 @@ def fresh_seed() -> int:
     return _seeds.getrandbits(63)
 
 
-def _graph(graph):
-    """``graph``, or the graph calls issue on now (the innermost ``with graph:``, else the
-    thread's default), as the context knows it."""
-    return current.current_graph() if graph is None else graph
-
-
 def layout(name: str, dtype, device, device_mesh, graph, floating: bool = True) -> tuple:
     """(dtype, mesh) of a factory call: ``device`` (a mesh, or anything ``DeviceMesh(...)``
     takes: ``"cpu"``, ``torch.device("cuda:1")``) or ``device_mesh``, else the graph's default
@@ -235,7 +229,7 @@ def layout(name: str, dtype, device, device_mesh, graph, floating: bool = True) 
         raise TypeError(f"dtorch.{name}: device_mesh must be a dtorch.DeviceMesh, got "
                         f"{device_mesh!r} (a device such as 'cpu:1' goes in device=)")
     if device_mesh is None or dtype is None and floating:
-        g = _graph(graph)
+        g = current.graph_or_current(graph, name)
         device_mesh = g.default_device_mesh if device_mesh is None else device_mesh
         if dtype is None and floating and g.default_dtype is not torch.float32:
             dtype = g.default_dtype
@@ -250,10 +244,11 @@ def with_grad(t, requires_grad: bool):
 
 
 def on_graph(graph, name: str, operands: tuple, static: tuple):
-    """Issues the entry ``name``, on ``graph``'s streams when one is given."""
+    """Issues the factory ``name`` on ``graph`` when one is given (its result belongs to it),
+    else on the current graph."""
     if graph is None:
         return issue(name, operands, static)
-    with graph:
+    with current.graph_or_current(graph, name):
         return issue(name, operands, static)
 
 
@@ -402,7 +397,8 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
            requires_grad=False):
     """A tensor whose value is ``data``: a torch tensor, a NumPy array, nested lists or
     numbers (``torch.tensor``'s rules, in the graph's default dtype for floats), or a dtorch
-    tensor (then an alias of its blocks, moved to ``device_mesh``/``placements`` when given)."""
+    tensor (then an alias of its blocks, moved to ``device_mesh``/``placements`` when given,
+    on ``graph`` when given, else on the data's graph)."""
     if isinstance(data, Tensor):  # cast and moved first, so a layout refused issues nothing
         with torch.no_grad():
             out = data if dtype is None else data.to(dtype)
@@ -411,7 +407,10 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
                 out = out.redistribute(mesh, placements)
             elif placements is not None:
                 out = out.redistribute(placements=placements)
-        return with_grad(out.detach(), requires_grad)
+            out = out.detach()
+        if graph is not None:  # the alias belongs to ``graph``: operators on it run there
+            out._graph = current.graph_or_current(graph, "tensor")
+        return with_grad(out, requires_grad)
     if not isinstance(data, torch.Tensor):
         if dtype is None:
             data = torch.tensor(data)
@@ -429,9 +428,9 @@ def from_numpy(array):
     return from_torch(torch.from_numpy(array))
 
 
-def _like(name, input, dtype, device, device_mesh, placements):
-    """A ``*_like`` factory's (size, dtype, mesh, placements): the input's, unless given (a
-    new mesh drops the input's placements)."""
+def _like(name, input, dtype, device, device_mesh, placements, graph):
+    """A ``*_like`` factory's (size, dtype, mesh, placements, graph): the input's, unless given
+    (a new mesh drops the input's placements)."""
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}(): argument 'input' must be Tensor, not "
                         f"{type(input).__name__}")
@@ -439,16 +438,15 @@ def _like(name, input, dtype, device, device_mesh, placements):
     moved = device is not None or device_mesh is not None
     mesh = spec.mesh if not moved else layout(name, None, device, device_mesh, None, False)[1]
     return (tuple(spec.shape), input.dtype if dtype is None else dtype, mesh,
-            spec.placements if placements is None and not moved else placements)
+            spec.placements if placements is None and not moved else placements,
+            input._graph if graph is None else graph)
 
 
 def _constant_like(name: str):
     def factory(input, *, dtype=None, device=None, device_mesh=None, placements=None,
                 graph=None, requires_grad=False):
-        base = name[:-len("_like")]
-        made = on_graph(graph, base, (), _like(name, input, dtype, device, device_mesh,
-                                               placements))
-        return with_grad(made, requires_grad)
+        *made, graph = _like(name, input, dtype, device, device_mesh, placements, graph)
+        return with_grad(on_graph(graph, name[:-len("_like")], (), tuple(made)), requires_grad)
 
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"``torch.{name}``: the input's size, dtype and layout unless given."
@@ -457,8 +455,8 @@ def _constant_like(name: str):
 
 def full_like(input, fill_value, *, dtype=None, device=None, device_mesh=None, placements=None,
               graph=None, requires_grad=False):
-    size, dtype, mesh, placements = _like("full_like", input, dtype, device, device_mesh,
-                                          placements)
+    size, dtype, mesh, placements, graph = _like("full_like", input, dtype, device, device_mesh,
+                                                 placements, graph)
     made = on_graph(graph, "full", (), (size, fill_value, dtype, mesh, placements))
     return with_grad(made, requires_grad)
 
@@ -466,8 +464,8 @@ def full_like(input, fill_value, *, dtype=None, device=None, device_mesh=None, p
 def _random_like(name: str):
     def factory(input, *, generator=None, dtype=None, device=None, device_mesh=None,
                 placements=None, graph=None, requires_grad=False):
-        size, dtype, mesh, placements = _like(name, input, dtype, device, device_mesh,
-                                              placements)
+        size, dtype, mesh, placements, graph = _like(name, input, dtype, device, device_mesh,
+                                                     placements, graph)
         return lookup(name[:-len("_like")]).front(size, generator=generator, dtype=dtype,
                                                   device_mesh=mesh, placements=placements,
                                                   graph=graph, requires_grad=requires_grad)
@@ -483,8 +481,8 @@ def randint_like(input, low=0, high=None, *, generator=None, dtype=None, device=
     input's dtype unless ``dtype=``)."""
     if high is None:
         low, high = 0, low
-    size, dtype, mesh, placements = _like("randint_like", input, dtype, device, device_mesh,
-                                          placements)
+    size, dtype, mesh, placements, graph = _like("randint_like", input, dtype, device,
+                                                 device_mesh, placements, graph)
     return randint(low, high, size, generator=generator, dtype=dtype, device_mesh=mesh,
                    placements=placements, graph=graph)
 
