@@ -41,7 +41,7 @@ from . import current
 from .cuda import memory_kernels
 from .future import VoidFutureCollect
 from .memory_stats import MemoryStat, MemoryStats
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, absent_devices
 
 __all__ = ["Graph", "GraphOption", "VoidFutureCollect"]
 
@@ -229,16 +229,14 @@ class Graph:
     def satisfy(self, device_mesh) -> bool:
         """Whether this machine has every device of ``device_mesh`` (a DeviceMesh, or what
         ``DeviceMesh(...)`` takes): CPU device ids are logical, so any CPU mesh; a CUDA mesh
-        when its ids are below ``torch.cuda.device_count()``."""
-        if isinstance(device_mesh, DeviceMesh):
-            device_type, ids = device_mesh.device_type, device_mesh.devices
-        else:
-            d = _as_device(device_mesh)
-            device_type, ids = d.type, (d.index or 0,)
-        if device_type == "cpu":
-            return True
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return all(i < n for i in ids)
+        when its ids are below ``torch.cuda.device_count()``. A mesh it is False for can be
+        made, and raises at its first operator.
+
+        >>> import dtorch
+        >>> dtorch.default_graph.satisfy(dtorch.DeviceMesh("cpu", [0, 1]))
+        True
+        """
+        return not absent_devices(as_mesh(device_mesh))
 
     # -- with graph: ----------------------------------------------------------------------------
     def __enter__(self) -> Graph:
