@@ -31,6 +31,7 @@ from .global_option import GlobalOption
 from .graph import Graph, GraphOption, VoidFutureCollect, default_graph, get_default_device_mesh
 from .memory_stats import MemoryStat, MemoryStats
 from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
+from .ops.conversion import parser_tensor_to_function_arg as _parse_to_arguments
 from .ops.creation import manual_seed
 from .client.user_ops import register_op
 from .ops.extension import local_map
@@ -52,7 +53,9 @@ from . import amp, optim  # noqa: E402,F401
 from . import profiler  # noqa: E402,F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 
-_frontend.install(sys.modules[__name__], nn.functional, Tensor, autograd.TENSOR_METHODS)
+_frontend.install(sys.modules[__name__], nn.functional, Tensor, {
+    **autograd.TENSOR_METHODS,
+    "parser_tensor_to_function_arg": staticmethod(_parse_to_arguments)})
 
 
 def sync(compiles: bool = False) -> None:

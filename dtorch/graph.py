@@ -215,16 +215,23 @@ class Graph:
     @contextlib.contextmanager
     def dtype_guard(self, dtype: torch.dtype | None):
         """Within the block, ``dtype`` (None: float32) is the default dtype; restored on exit."""
+        previous = self._dtype
+        self._set_default_dtype(dtype, "dtype_guard")
+        try:
+            yield self._dtype
+        finally:
+            self._dtype = previous
+
+    def _set_default_dtype(self, dtype: torch.dtype | None, name="_set_default_dtype") -> None:
+        """Sets the default dtype (None: float32) until it is set again: DTorch's form, which
+        HF's ``from_pretrained`` path calls beside ``torch.set_default_dtype`` (and restores
+        after); ``dtype_guard`` is the scoped one."""
         if dtype is None:
             dtype = torch.float32
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"Graph.dtype_guard: dtype must be a torch.dtype or None, not "
+            raise TypeError(f"Graph.{name}: dtype must be a torch.dtype or None, not "
                             f"{type(dtype).__name__}")
-        previous, self._dtype = self._dtype, dtype
-        try:
-            yield dtype
-        finally:
-            self._dtype = previous
+        self._dtype = dtype
 
     def satisfy(self, device_mesh) -> bool:
         """Whether this machine has every device of ``device_mesh`` (a DeviceMesh, or what
