@@ -22,6 +22,7 @@ import torch as _torch
 
 from . import config, kernels, ops  # noqa: F401  (kernels registers every kernel)
 from . import autograd, cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
+from . import compiled_op  # noqa: F401
 from .autograd import enable_grad, inference_mode, no_grad, set_grad_enabled  # noqa: F401
 from .client import frontend as _frontend
 from .client.session import shutdown

@@ -96,6 +96,8 @@ LAYERS = {
     "dtorch.optim.kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry"},
     "dtorch.cuda.memory_kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry",
                                           "dtorch.runtime.cpu_memory"},
+    # the fused operators' torch code, on torch tensors (DTorch's compiled_op)
+    "dtorch.compiled_op": {"dtorch.ops"},
     "dtorch.cuda.nvtx_kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry", "dtorch.current",
                                         "dtorch.graph"},
     # the one list of kernel modules a host imports
