@@ -127,6 +127,8 @@ LAYERS = {
                             "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},
     "dtorch.models": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.nn", "dtorch.tensor"},
+    # checking and timing programs against torch, as a user would
+    "dtorch.util": {"dtorch"},
 }
 PUBLIC_API = "dtorch"  # the package's __init__: it imports every layer
 
