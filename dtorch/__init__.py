@@ -22,6 +22,7 @@ import torch as _torch
 
 from . import config, kernels, ops  # noqa: F401  (kernels registers every kernel)
 from . import autograd, cuda, distributed_spec, global_option, graph, memory_stats, type  # noqa: F401
+from . import compiled_op  # noqa: F401
 from .autograd import enable_grad, inference_mode, no_grad, set_grad_enabled  # noqa: F401
 from .client import frontend as _frontend
 from .client.session import shutdown
@@ -31,6 +32,7 @@ from .global_option import GlobalOption
 from .graph import Graph, GraphOption, VoidFutureCollect, default_graph, get_default_device_mesh
 from .memory_stats import MemoryStat, MemoryStats
 from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
+from .ops.conversion import parser_tensor_to_function_arg as _parse_to_arguments
 from .ops.creation import manual_seed
 from .client.user_ops import register_op
 from .ops.extension import local_map
@@ -52,7 +54,9 @@ from . import amp, optim  # noqa: E402,F401
 from . import profiler  # noqa: E402,F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
 
-_frontend.install(sys.modules[__name__], nn.functional, Tensor, autograd.TENSOR_METHODS)
+_frontend.install(sys.modules[__name__], nn.functional, Tensor, {
+    **autograd.TENSOR_METHODS,
+    "parser_tensor_to_function_arg": staticmethod(_parse_to_arguments)})
 
 
 def sync(compiles: bool = False) -> None:

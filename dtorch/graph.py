@@ -50,7 +50,7 @@ from . import current
 from .cuda import memory_kernels
 from .future import VoidFutureCollect
 from .memory_stats import MemoryStat, MemoryStats
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, absent_devices
 
 __all__ = ["Graph", "GraphOption", "VoidFutureCollect"]
 
@@ -225,30 +225,35 @@ class Graph:
     @contextlib.contextmanager
     def dtype_guard(self, dtype: torch.dtype | None):
         """Within the block, ``dtype`` (None: float32) is the default dtype; restored on exit."""
+        previous = self._dtype
+        self._set_default_dtype(dtype, "dtype_guard")
+        try:
+            yield self._dtype
+        finally:
+            self._dtype = previous
+
+    def _set_default_dtype(self, dtype: torch.dtype | None, name="_set_default_dtype") -> None:
+        """Sets the default dtype (None: float32) until it is set again: DTorch's form, which
+        HF's ``from_pretrained`` path calls beside ``torch.set_default_dtype`` (and restores
+        after); ``dtype_guard`` is the scoped one."""
         if dtype is None:
             dtype = torch.float32
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"Graph.dtype_guard: dtype must be a torch.dtype or None, not "
+            raise TypeError(f"Graph.{name}: dtype must be a torch.dtype or None, not "
                             f"{type(dtype).__name__}")
-        previous, self._dtype = self._dtype, dtype
-        try:
-            yield dtype
-        finally:
-            self._dtype = previous
+        self._dtype = dtype
 
     def satisfy(self, device_mesh) -> bool:
         """Whether this machine has every device of ``device_mesh`` (a DeviceMesh, or what
         ``DeviceMesh(...)`` takes): CPU device ids are logical, so any CPU mesh; a CUDA mesh
-        when its ids are below ``torch.cuda.device_count()``."""
-        if isinstance(device_mesh, DeviceMesh):
-            device_type, ids = device_mesh.device_type, device_mesh.devices
-        else:
-            d = _as_device(device_mesh)
-            device_type, ids = d.type, (d.index or 0,)
-        if device_type == "cpu":
-            return True
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return all(i < n for i in ids)
+        when its ids are below ``torch.cuda.device_count()``. A mesh it is False for can be
+        made, and raises at its first operator.
+
+        >>> import dtorch
+        >>> dtorch.default_graph.satisfy(dtorch.DeviceMesh("cpu", [0, 1]))
+        True
+        """
+        return not absent_devices(as_mesh(device_mesh))
 
     # -- with graph: ----------------------------------------------------------------------------
     def __enter__(self) -> Graph:

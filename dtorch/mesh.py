@@ -59,11 +59,26 @@ def _parse_device(device) -> tuple:
     return device.type, device.index
 
 
-def _check_cuda_devices(devices) -> None:
-    """CUDA device ids name this machine's GPUs (the hosts run here); CPU ids are logical."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    missing = [d for d in devices if d >= n]
+def _cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def absent_devices(mesh: DeviceMesh) -> list:
+    """The ids of ``mesh`` this machine lacks: CPU ids are logical (none is absent, and torch's
+    CUDA is not asked); CUDA ids name this machine's GPUs, ``0 .. device_count() - 1``."""
+    if mesh.device_type == "cpu":
+        return []
+    n = _cuda_device_count()
+    return [d for d in mesh.devices if d >= n]
+
+
+def check_devices_present(mesh: DeviceMesh) -> None:
+    """Raises unless this machine has every device of ``mesh``: what the first operator on a
+    mesh checks. Making a mesh is metadata only, so a program can build a CUDA mesh and ask
+    ``Graph.satisfy`` before it uses one."""
+    missing = absent_devices(mesh)
     if missing:
+        n = _cuda_device_count()
         fix = f"use ids 0..{n - 1}" if n else "use DeviceMesh('cpu', ...)"
         raise RuntimeError(f"DeviceMesh('cuda', ...): this machine has {n} CUDA devices, so "
                            f"devices {missing} do not exist; {fix}")
@@ -135,8 +150,6 @@ class DeviceMesh:
             raise ValueError("a DeviceMesh needs at least one device")
         if len(set(flat)) != len(flat) or min(flat) < 0:
             raise ValueError(f"device ids must be distinct and non-negative, got {list(flat)}")
-        if device_type == "cuda":
-            _check_cuda_devices(flat)
         names = _dim_names(mesh_dim_names, ids.ndim)
         self.device_type = device_type
         self._ids = ids

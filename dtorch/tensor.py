@@ -34,15 +34,30 @@ class Tensor:
     # NumPy's operators defer to ours (``np.float32(2) + x`` calls ``x.__radd__``), as for torch
     __array_ufunc__ = None
 
-    def __new__(cls, data=None, device_mesh=None, placements=None, *, device=None, graph=None,
+    def __new__(cls, *args, device_mesh=None, placements=None, device=None, graph=None,
                 dtype=None):
-        """A tensor whose value is ``data`` (``dtorch.tensor``'s rules), laid out on
-        ``device_mesh`` (default: the graph's) with ``placements`` (default: Replicate)."""
+        """``Tensor(data, device_mesh=None, placements=None)``: a tensor whose value is ``data``
+        (``dtorch.tensor``'s rules), laid out on ``device_mesh`` (default: the graph's) with
+        ``placements`` (default: Replicate). As torch's legacy constructor, ``Tensor()`` is an
+        empty tensor, and ``Tensor(2, 3)`` or ``Tensor(torch.Size([2, 3]))`` one of that size
+        whose values are not set (``dtorch.empty``)."""
         from .ops.registry import lookup  # (ops import this module, for the type)
 
-        return lookup("tensor").front(data, dtype=_TYPED_DTYPES.get(cls, dtype), device=device,
-                                      device_mesh=device_mesh, placements=placements,
-                                      graph=graph)
+        layout = {"device": device, "device_mesh": device_mesh, "placements": placements,
+                  "graph": graph, "dtype": _TYPED_DTYPES.get(cls, dtype)}
+        if all(type(a) is int for a in args) or len(args) == 1 and isinstance(args[0],
+                                                                             torch.Size):
+            size = tuple(args[0]) if args and isinstance(args[0], torch.Size) else args or (0,)
+            return lookup("empty").front(size, **layout)
+        data, *where = args
+        if len(where) > 2:
+            raise TypeError(f"Tensor() takes data, device_mesh and placements, or sizes as ints; "
+                            f"got {len(args)} positional arguments")
+        for name, value in zip(("device_mesh", "placements"), where):
+            if layout[name] is not None:
+                raise TypeError(f"Tensor() got multiple values for argument '{name}'")
+            layout[name] = value
+        return lookup("tensor").front(data, **layout)
 
     # -- metadata -------------------------------------------------------------------------------
     def set_name(self, name: str) -> None:

@@ -62,13 +62,9 @@ def test_a_device_alone_is_a_one_device_mesh(device, devices):
 
 
 def test_a_cuda_device_names_one_gpu():
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < 2:
-        with pytest.raises(RuntimeError, match=f"this machine has {n} CUDA devices"):
-            DeviceMesh(torch.device("cuda:1"))
-    else:
-        assert DeviceMesh(torch.device("cuda:1")).devices == (1,)
-        assert DeviceMesh("cuda").devices == (0,)
+    """Whether or not the machine has GPU 1: making a mesh does not ask."""
+    assert DeviceMesh(torch.device("cuda:1")).devices == (1,)
+    assert DeviceMesh("cuda").devices == (0,) and DeviceMesh("cuda").device_type == "cuda"
 
 
 def test_a_mesh_copies_a_mesh():

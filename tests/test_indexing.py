@@ -196,8 +196,9 @@ def test_getitem_dtorch_index_tensor(mesh2):
     idx = torch.tensor([[4, 0], [1, 1]])
     x = distribute(t, mesh2, [S1, R])
     assert_close(x[distribute(idx, mesh2, [R, R])], t[idx])
-    with pytest.raises(ValueError, match="redistribute"):
-        x[distribute(idx, mesh2, [S0, R])]
+    # an index tensor of any layout is made Replicate first (on the devices: nothing waits)
+    for placements in ([S0, R], [R, S1], [Partial(), S0]):
+        assert_close(x[distribute(idx, mesh2, placements)], t[idx])
 
 
 def test_getitem_mask_syncs(mesh1):

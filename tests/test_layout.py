@@ -96,6 +96,8 @@ LAYERS = {
     "dtorch.optim.kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry"},
     "dtorch.cuda.memory_kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry",
                                           "dtorch.runtime.cpu_memory"},
+    # the fused operators' torch code, on torch tensors (DTorch's compiled_op)
+    "dtorch.compiled_op": {"dtorch.ops"},
     "dtorch.cuda.nvtx_kernels": WIRE | {"dtorch.ops", "dtorch.ops.registry", "dtorch.current",
                                         "dtorch.graph"},
     # the one list of kernel modules a host imports
@@ -125,6 +127,8 @@ LAYERS = {
                             "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},
     "dtorch.models": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.nn", "dtorch.tensor"},
+    # checking and timing programs against torch, as a user would
+    "dtorch.util": {"dtorch"},
 }
 PUBLIC_API = "dtorch"  # the package's __init__: it imports every layer
 

@@ -316,12 +316,22 @@ def test_device_ids_are_taken_as_torch_takes_ints():
     assert dtorch.DeviceMesh("cpu", [np.int64(2), torch.tensor(5)]).devices == (2, 5)
 
 
-def test_cuda_mesh_says_which_devices_exist():
+def test_cuda_mesh_says_which_devices_exist_at_its_first_operator(mesh1):
+    """Making a mesh is metadata only (a program asks ``satisfy`` before using it); its first
+    operator is refused at the call, issuing nothing, and the runtime goes on for CPU meshes."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(RuntimeError, match=f"this machine has {n} CUDA devices"):
-        dtorch.DeviceMesh("cuda", list(range(n + 1)))
+    absent = dtorch.DeviceMesh("cuda", list(range(n + 1)))
+    assert absent.devices == tuple(range(n + 1)) and not dtorch.default_graph.satisfy(absent)
+    fix = f"use ids 0..{n - 1}" if n else r"use DeviceMesh\('cpu', ...\)"
+    assert_usable(mesh1)  # (the runtime is started: starting it takes ids)
+    for call in (lambda: dtorch.ones(3, device_mesh=absent),
+                 lambda: dtorch.from_torch(torch.ones(2), absent),
+                 lambda: dtorch.default_graph.get_memory_stats(device_mesh=absent)):
+        assert_raises_at_call(RuntimeError, call, match=f"this machine has {n} CUDA devices, "
+                                                        f"so devices \\[{n}\\] do not exist; {fix}")
+    assert_usable(mesh1)
     if n:
-        assert dtorch.DeviceMesh("cuda", list(range(n))).devices == tuple(range(n))
+        assert dtorch.default_graph.satisfy(dtorch.DeviceMesh("cuda", list(range(n))))
 
 
 def test_cpu_mesh_does_not_ask_cuda(monkeypatch):

@@ -29,11 +29,30 @@ def _tensors(items) -> tuple:
     return tuple(items[0]) if len(items) == 1 and isinstance(items[0], (list, tuple)) else items
 
 
+def _keyword_size(positional: tuple, keyword, op: str, name: str) -> tuple:
+    """Static varargs given by their keyword, as torch takes them (``x.reshape(shape=(2, -1))``,
+    ``x.repeat(repeats=(2, 1))``): one sequence, and not beside positional ones."""
+    if positional:
+        raise TypeError(f"{op}() got multiple values for argument '{name}'")
+    return size_arg((keyword,))
+
+
+_NO_KEYWORD = object()
+
+
 def generate(op, dispatch_fn=dispatch):
     """The public function of ``op``; ``dispatch_fn`` (default: ``dispatch``) receives
-    ``(op, operands, static)`` (dtorch.register_op routes its operators through a carrier)."""
+    ``(op, operands, static)`` (dtorch.register_op routes its operators through a carrier).
+    Static varargs (``*shape``) may also come as one keyword of their name (``shape=``)."""
     params, operands, static, star = [], [], [], False
     for p in op.params:
+        if p.varargs and p.kind == "static":
+            given = f"{p.name}_positional"
+            params += [f"*{given}", f"{p.name}=_NO"]
+            static.append(f"(_size({given}) if {p.name} is _NO else "
+                          f"_keyword_size({given}, {p.name}, {op.name!r}, {p.name!r}))")
+            star = True
+            continue
         if p.varargs:
             params.append("*" + p.name)
             star = True
@@ -47,7 +66,7 @@ def generate(op, dispatch_fn=dispatch):
         elif p.kind == "tensors":  # varargs ("*operands") may also come as one list, as in torch
             operands.append(f"*_tensors({p.name})" if p.varargs else "*" + p.name)
         else:
-            static.append(f"_size({p.name})" if p.varargs else p.name)
+            static.append(p.name)
     # dispatch itself learns to skip this front's frame when it looks for the user's line
     depth = ", 3" if dispatch_fn is dispatch else ""
     call = f"_dispatch(_op, {_tuple(operands)}, {_tuple(static)}{depth})"
@@ -56,7 +75,7 @@ def generate(op, dispatch_fn=dispatch):
         f"    return {f'_result({call})' if op.result else call}\n"
     )
     namespace = {"_dispatch": dispatch_fn, "_op": op, "_size": size_arg, "_result": op.result,
-                 "_tensors": _tensors}
+                 "_tensors": _tensors, "_keyword_size": _keyword_size, "_NO": _NO_KEYWORD}
     exec(compile(src, _FILENAME, "exec"), namespace)
     fn = namespace[op.name]
     fn.__doc__ = op.doc or f"dtorch.{op.signature}: torch.{op.name} on distributed tensors."

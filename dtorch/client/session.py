@@ -44,6 +44,7 @@ from .. import config, logs, protocol as P
 from ..cluster import main_node
 from ..launcher import auth, local
 from ..future import TensorFuture
+from ..mesh import check_devices_present
 from .receiving import Receiving
 from .sites import CallSites
 
@@ -389,6 +390,9 @@ class Session(Receiving):
     def mesh_id(self, mesh) -> int:
         i = self.mesh_ids.get(mesh)
         if i is None:
+            # a mesh's first use: a mesh naming GPUs this machine lacks is refused here, at the
+            # user's line, before the hosts hear of it
+            check_devices_present(mesh)
             with self._define_lock:
                 i = self.mesh_ids.get(mesh)
                 if i is None:

@@ -7,4 +7,18 @@ client installs each entry's front, generated from its signature or written besi
 (``dtorch/type.py``).
 """
 
+import torch
+
 from ..type import SdpaOption  # noqa: F401
+
+
+def __getattr__(name: str):
+    """``_function_names``: DTorch's list of this module's functions, torch.nn.functional's
+    names and DTorch's own private forms (``_apply_rotary_emb``). dtorch's own operators
+    (``moe_experts``, ``vocab_parallel_embedding``) are left out: DTorch has none such, and
+    its list holds no public name that torch.nn.functional lacks."""
+    if name == "_function_names":
+        return sorted(n for n, v in globals().items()
+                      if callable(v) and not isinstance(v, type) and not n.startswith("__")
+                      and (n.startswith("_") or hasattr(torch.nn.functional, n)))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,8 @@ True
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -58,11 +60,27 @@ POINTWISE = [
     ("logsigmoid", "", (), None),
 ]
 
+
+class GeluApproximateError(ValueError, RuntimeError):
+    """``gelu``'s ``approximate`` is neither ``'none'`` nor ``'tanh'``: a ValueError, as
+    DTorch raises, and the RuntimeError torch raises."""
+
+
+def _gelu_meta(input, approximate="none"):
+    if approximate not in ("none", "tanh"):
+        raise GeluApproximateError(f"gelu: approximate argument must be either none or tanh, "
+                                   f"got {approximate!r}")
+    return probed(F.gelu)(input, approximate=approximate)
+
+
+META = {"gelu": _gelu_meta}  # where an argument's value needs a check of its own
+
 for name, tail, partials, inplace in POINTWISE:
     rule = pointwise(linear=(0,), partials=partials)
     fn = getattr(F, name)
     register(OpDef(name, f"{name}(input: Tensor{tail})", fn, rule,
-                   meta=probed(fn), methods=(name,) if hasattr(torch.Tensor, name) else (),
+                   meta=META.get(name) or probed(fn),
+                   methods=(name,) if hasattr(torch.Tensor, name) else (),
                    function=hasattr(torch, name), functional=True))
     if inplace:
         fn = getattr(F, inplace)
@@ -354,8 +372,33 @@ register(OpDef("dropout", "dropout(input: Tensor, seed: Tensor, p=0.5, training=
                uses_context=True, functional=True, flags=VIEW, front=dropout))
 
 
-# -- DTorch's fused ops (diffusers' blocks), composed of the entries above and others: each
-# step keeps its own placement rule, so they take every layout their steps take
+# -- DTorch's fused ops (diffusers' blocks), each written once over a namespace of ``steps``:
+# dtorch's fronts (``STEPS``: each step keeps its own placement rule, so the fused op takes every
+# layout its steps take) or torch.nn.functional (the default: ``dtorch.compiled_op``, the torch
+# reference of what the hosts compute, step by step)
+
+
+def silu_linear_chunk(emb, linear_weight, linear_bias, chunk_size, *, steps=F) -> list:
+    """``silu(emb) @ linear_weight.T + linear_bias`` cut into ``chunk_size`` pieces along dim
+    1 (diffusers' AdaLayerNorm modulation), as a list."""
+    pieces = steps.linear(steps.silu(emb), linear_weight, linear_bias).chunk(chunk_size, 1)
+    return list(pieces) if isinstance(pieces, (tuple, list)) else [pieces]
+
+
+def layer_norm_mul_add(x, scale, shift, normalized_shape, norm_eps=1e-05, norm_scale=None,
+                       norm_bias=None, *, steps=F):
+    """``layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`` (diffusers'
+    AdaLayerNormZero: ``scale`` and ``shift`` of shape (batch, dim) modulate each sample of
+    ``x`` (batch, tokens, dim)); ``norm_scale``/``norm_bias`` are the layer norm's weight and
+    bias."""
+    normed = steps.layer_norm(x, _shape(normalized_shape), norm_scale, norm_bias, norm_eps)
+    return normed * (scale.unsqueeze(1) + 1) + shift.unsqueeze(1)
+
+
+# the steps as dtorch's operators
+STEPS = SimpleNamespace(silu=lambda x: issue("silu", (x,), (False,)),
+                        linear=lambda x, weight, bias=None: issue("linear", (x, weight, bias), ()),
+                        layer_norm=layer_norm)
 
 
 def _silu_linear_chunk(emb, linear_weight, linear_bias, chunk_size):
@@ -368,17 +411,13 @@ def _silu_linear_chunk(emb, linear_weight, linear_bias, chunk_size):
     >>> [p.shape for p in dtorch.nn.functional._silu_linear_chunk(emb, w, None, 3)]
     [torch.Size([2, 2]), torch.Size([2, 2]), torch.Size([2, 2])]
     """
-    out = issue("linear", (issue("silu", (emb,), (False,)), linear_weight, linear_bias), ())
-    pieces = issue("chunk", (out,), (chunk_size, 1))
-    return list(pieces) if isinstance(pieces, tuple) else [pieces]
+    return silu_linear_chunk(emb, linear_weight, linear_bias, chunk_size, steps=STEPS)
 
 
 def _layer_norm_mul_add(x, scale, shift, normalized_shape, norm_eps=1e-05, norm_scale=None,
                         norm_bias=None):
-    """DTorch's ``layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`` (diffusers'
-    AdaLayerNormZero: ``scale`` and ``shift`` of shape (batch, dim) modulate each sample of
-    ``x`` (batch, tokens, dim)); ``norm_scale``/``norm_bias`` are the layer norm's weight and
-    bias.
+    """DTorch's ``layer_norm(x) * (1 + scale[:, None]) + shift[:, None]`` (see
+    ``layer_norm_mul_add``).
 
     >>> import dtorch
     >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -387,10 +426,8 @@ def _layer_norm_mul_add(x, scale, shift, normalized_shape, norm_eps=1e-05, norm_
     >>> dtorch.nn.functional._layer_norm_mul_add(x, s, s, (4,)).to_torch().unique().tolist()
     [1.0]
     """
-    normed = issue("layer_norm", (x, norm_scale, norm_bias), (_shape(normalized_shape), norm_eps))
-    scale = issue("add", (issue("unsqueeze", (scale,), (1,)), 1), (1,))
-    return issue("add", (issue("mul", (normed, scale), ()),
-                         issue("unsqueeze", (shift,), (1,))), (1,))
+    return layer_norm_mul_add(x, scale, shift, normalized_shape, norm_eps, norm_scale,
+                              norm_bias, steps=STEPS)
 
 
 FUSED = [

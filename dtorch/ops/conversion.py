@@ -195,19 +195,12 @@ def _check_device(x: Tensor, device) -> None:
         )
 
 
-def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_blocking=False,
-       copy=False):
-    """``x.to(dtype)``, ``x.to(device_mesh)`` (same placements on another mesh with as many
-    dims), ``x.to(other)`` (``other``'s dtype and mesh, as torch takes its dtype and device), or
-    any mix (``x.to(mesh, torch.float16)``). ``device=`` may be a mesh too, as in DTorch; a
-    torch device of the mesh's own type changes nothing. Like torch, it returns ``x`` itself
-    when nothing changes (unless ``copy=True``).
-
-    >>> import dtorch, torch
-    >>> x = dtorch.arange(6, device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
-    >>> x.to(torch.float32).dtype, x.to("cpu") is x
-    (torch.float32, True)
-    """
+def to_arguments(args, dtype=None, device_mesh=None, device=None, non_blocking=False,
+                 copy=False) -> tuple:
+    """(dtype, device_mesh, device, non_blocking, copy) that ``x.to(*args, ...)`` names, in any
+    of its forms: a dtype, a mesh, a torch device, another tensor (its dtype and mesh, as torch
+    takes its dtype and device), torch's positional ``(non_blocking, copy)``; ``device=`` may be
+    a mesh too, as in DTorch."""
     flags = []
     for a in args:
         if isinstance(a, torch.dtype) or isinstance(a, type) and a in PY_DTYPES:
@@ -230,6 +223,42 @@ def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_bloc
     if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"to(): argument 'device_mesh' must be a dtorch.DeviceMesh, not "
                         f"{type(device_mesh).__name__}")
+    return PY_DTYPES.get(dtype, dtype), device_mesh, device, non_blocking, copy
+
+
+def parser_tensor_to_function_arg(args, kwargs) -> tuple:
+    """DTorch's ``Tensor.parser_tensor_to_function_arg``: the ``(device_mesh, dtype)`` that a
+    ``to(*args, **kwargs)`` call names, a device given as its one-device mesh (``"cuda"``:
+    ``DeviceMesh("cuda", [0])``), None for what it leaves out; keywords that are not
+    ``to``'s are left to the caller (a pipeline's ``to`` takes its own).
+
+    >>> import dtorch, torch
+    >>> dtorch.Tensor.parser_tensor_to_function_arg(("cpu",), {"dtype": torch.float16})
+    (DeviceMesh('cpu', dim_name: [], shape: (1,), data: [0]), torch.float16)
+    """
+    names = ("dtype", "device_mesh", "device", "non_blocking", "copy")
+    dtype, mesh, device, _, _ = to_arguments(args, **{k: v for k, v in kwargs.items()
+                                                      if k in names})
+    if mesh is None and device is not None:
+        mesh = DeviceMesh(device)
+    return mesh, dtype
+
+
+def to(input: Tensor, *args, dtype=None, device_mesh=None, device=None, non_blocking=False,
+       copy=False):
+    """``x.to(dtype)``, ``x.to(device_mesh)`` (same placements on another mesh with as many
+    dims), ``x.to(other)`` (``other``'s dtype and mesh, as torch takes its dtype and device), or
+    any mix (``x.to(mesh, torch.float16)``). ``device=`` may be a mesh too, as in DTorch; a
+    torch device of the mesh's own type changes nothing. Like torch, it returns ``x`` itself
+    when nothing changes (unless ``copy=True``).
+
+    >>> import dtorch, torch
+    >>> x = dtorch.arange(6, device_mesh=dtorch.DeviceMesh("cpu", [0, 1]))
+    >>> x.to(torch.float32).dtype, x.to("cpu") is x
+    (torch.float32, True)
+    """
+    dtype, device_mesh, device, non_blocking, copy = to_arguments(
+        args, dtype, device_mesh, device, non_blocking, copy)
     if device is not None:
         _check_device(input, device)
     out = input

@@ -289,9 +289,9 @@ def _seed(name, generator, draw, size, dtype, **kw):
 
 
 def _random(name: str, draw):
-    def factory(*size, generator=None, dtype=None, device=None, device_mesh=None,
+    def factory(*sizes, size=None, generator=None, dtype=None, device=None, device_mesh=None,
                 placements=None, graph=None, requires_grad=False):
-        size = check_size(name, size, dtype=dtype)
+        size = check_size(name, sizes, size, dtype)
         dtype, mesh = layout(name, dtype, device, device_mesh, graph)
         normalize_placements(placements, mesh.ndim, len(size))  # before the draw
         seed = _seed(name, generator, draw, size, dtype)

@@ -12,7 +12,9 @@ and ``"T"`` for each index tensor, which are operands. Bool masks are value-depe
 into integer indices on the client, by the fronts (``getitem``, ``setitem``), before the call.
 
 Ints, slices (any step, negative bounds), ``None``, ``...`` and integer tensors (dtorch or
-torch tensors, or lists: advanced indexing, broadcast as torch does) index without waiting.
+torch tensors, or lists: advanced indexing, broadcast as torch does) index without waiting; a
+dtorch index tensor of any layout or mesh is made Replicate on the input's mesh first
+(``x[arange, ids.argmax(-1)]`` with ``ids`` sharded).
 Value-dependent results sync: a result's shape must be known on the client before the call
 returns, so a dtorch bool mask (``x[mask]``, ``x[mask] = v``), ``nonzero`` and ``unique`` first
 fetch the values they depend on (like ``to_torch()``), compute on the client, and send the
@@ -186,11 +188,18 @@ def setitem(self: Tensor, index, value) -> None:
 
 def index_operands(x: Tensor, index, value=()) -> tuple:
     """(static items, index tensors) for ``x[index]`` (``x[index] = value[0]``): checked as
-    torch checks them, then the index tensors the client holds are sent Replicate."""
+    torch checks them, then the index tensors the client holds are sent Replicate, and dtorch
+    index tensors of another layout are made Replicate on ``x``'s mesh (an all-gather, or a
+    copy from their mesh: the values stay on the devices, so nothing waits)."""
     items, tensors, known = encode_index(x, index)
     _check_bounds(x, items, tensors, known, value)
-    return items, [_replicated(t.long(), x) if isinstance(t, torch.Tensor) else t
+    return items, [_replicated(t.long(), x) if isinstance(t, torch.Tensor) else _on_mesh_of(t, x)
                    for t in tensors]
+
+
+def _on_mesh_of(index: Tensor, x: Tensor) -> Tensor:
+    mesh = x.device_mesh
+    return index.redistribute(mesh, [R] * mesh.ndim)
 
 
 def encode_index(x: Tensor, index) -> tuple:

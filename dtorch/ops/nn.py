@@ -252,7 +252,7 @@ POOLS = [
 ]
 for _name, _args, _fn, _rule in POOLS:
     register(OpDef(_name, f"{_name}(input: Tensor, {_args})", empty_safe(_fn), _rule, meta=_fn,
-                   uses_context=True, functional=True, function=False))
+                   uses_context=True, functional=True, function=hasattr(torch, _name)))
 
 
 def _pooling2d(input, pooling_kind, dilation, kernel_size, stride, padding_type, padding,

@@ -138,9 +138,14 @@ register(OpDef("relabel", "relabel(input: Tensor, placements)",
                meta=lambda input: input))
 
 
-def view(input, *shape):
-    """``x.view(*shape)`` as torch, or DTorch's ``x.view(placements)``: a sequence of
-    placements relabels the blocks (see ``relabel_rule``)."""
+def view(input, *shape, size=None):
+    """``x.view(*shape)`` (or ``view(size=shape)``) as torch, or DTorch's
+    ``x.view(placements)``: a sequence of placements relabels the blocks (see
+    ``relabel_rule``)."""
+    if size is not None:
+        if shape:
+            raise TypeError("view() got multiple values for argument 'size'")
+        shape = (size,)
     if len(shape) == 1 and isinstance(shape[0], (list, tuple)) and shape[0] and all(
             isinstance(p, Placement) for p in shape[0]):
         return issue("relabel", (input,), (tuple(shape[0]),))
@@ -328,10 +333,10 @@ def _after_new_dims(d, ndim, reps) -> int:
     return d + len(_reps(ndim, reps)) - ndim
 
 
-register(OpDef("repeat", "repeat(input: Tensor, *sizes)",
-               lambda input, sizes: input.repeat(sizes),
-               moving_rule(lambda ndim, sizes: _repeated(ndim, sizes),
-                           lambda d, ndim, sizes: _after_new_dims(d, ndim, sizes)),
+register(OpDef("repeat", "repeat(input: Tensor, *repeats)",
+               lambda input, repeats: input.repeat(repeats),
+               moving_rule(lambda ndim, repeats: _repeated(ndim, repeats),
+                           lambda d, ndim, repeats: _after_new_dims(d, ndim, repeats)),
                methods=("repeat",), function=False))
 register(OpDef("tile", "tile(input: Tensor, dims)", torch.tile,
                moving_rule(lambda ndim, dims: _repeated(ndim, _dims(dims)),

@@ -34,8 +34,8 @@ import torch
 from torch.nn.modules import module as _torch_module
 
 from ...mesh import DeviceMesh
-from ...ops.conversion import source_placements
-from ...ops.creation import PY_DTYPES, from_torch
+from ...ops.conversion import source_placements, to_arguments
+from ...ops.creation import from_torch
 from ...checkpoint.kernels import failure_token
 from ...tensor import Tensor
 from ..parameter import Buffer, Parameter
@@ -112,9 +112,18 @@ class Module(torch.nn.Module):
 
     # -- registration ---------------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
+        """torch's rules, for dtorch tensors too: a Parameter replaces a plain attribute, a
+        buffer or a child module of its name (``self.w = None; self.w = Parameter(...)``); a
+        Buffer is refused over a plain attribute (``KeyError``) or a parameter (``TypeError``).
+        One leniency: a dtorch tensor
+        assigned to a parameter's name becomes a Parameter (torch raises ``TypeError``)."""
         if isinstance(value, Parameter):
+            self._forget(name)
             self.register_parameter(name, value)
         elif isinstance(value, Buffer):
+            if name in self.__dict__.get("_parameters", {}):
+                raise TypeError(f"cannot assign 'dtorch.nn.Buffer' as parameter '{name}' "
+                                f"(dtorch.nn.Parameter or None expected)")
             self.register_buffer(name, value, persistent=value.persistent)
         elif isinstance(value, Tensor) and name in self.__dict__.get("_parameters", {}):
             self.register_parameter(name, Parameter(value))  # torch: a tensor there is refused
@@ -122,6 +131,23 @@ class Module(torch.nn.Module):
             self._buffers[name] = value
         else:
             super().__setattr__(name, value)
+
+    def _forget(self, name: str) -> None:
+        """Drops ``name`` as a plain attribute, buffer or child module (what torch's
+        ``__setattr__`` does before it registers a parameter)."""
+        self.__dict__.pop(name, None)
+        for table in ("_buffers", "_modules"):
+            self.__dict__.get(table, {}).pop(name, None)
+        self.__dict__.get("_non_persistent_buffers_set", set()).discard(name)
+
+    def get_parameter(self, target: str):
+        """torch's ``get_parameter`` (``"layers.0.weight"``), for dtorch Parameters too: HF's
+        loaders call it."""
+        module_path, _, name = target.rpartition(".")
+        param = getattr(self.get_submodule(module_path), name, None)
+        if isinstance(param, Parameter):
+            return param
+        return super().get_parameter(target)  # a torch Parameter, or torch's error
 
     def register_parameter(self, name: str, param) -> None:
         if param is None or isinstance(param, torch.nn.Parameter):
@@ -167,17 +193,8 @@ class Module(torch.nn.Module):
         """Moves parameters and buffers to ``device_mesh`` (each keeps its placements: the mesh
         must have as many dims) and casts the floating ones to a floating ``dtype``, as
         torch's ``Module.to``; ``x.to``'s argument forms (a mesh, a dtype, ``device=``)."""
-        for a in args:
-            if isinstance(a, DeviceMesh):
-                device_mesh = a
-            elif isinstance(a, torch.dtype) or isinstance(a, type) and a in PY_DTYPES:
-                dtype = PY_DTYPES.get(a, a)
-            elif isinstance(a, (str, torch.device)):
-                device = a
-            else:
-                raise TypeError(f"Module.to() received an invalid argument: {a!r}")
-        if isinstance(device, DeviceMesh):
-            device_mesh, device = device, None
+        dtype, device_mesh, device, _, _ = to_arguments(args, dtype, device_mesh, device,
+                                                        non_blocking)
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"nn.Module.to only accepts floating point or complex dtypes, but "
                             f"got desired dtype={dtype}")
