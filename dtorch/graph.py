@@ -209,11 +209,12 @@ class Graph:
     @contextlib.contextmanager
     def device_mesh_guard(self, device_mesh):
         """Within the block, ``device_mesh`` (a DeviceMesh, or what ``DeviceMesh(...)`` takes:
-        ``"cpu"``, ``"cuda:1"``, a ``torch.device``) is the default mesh; restored on exit."""
-        mesh = as_mesh(device_mesh)
+        ``"cpu"``, ``"cuda:1"``, a ``torch.device``) is the default mesh; restored on exit.
+        None keeps the current default, so a loader can pass on an optional mesh as given."""
+        mesh = self._mesh if device_mesh is None else as_mesh(device_mesh)
         previous, self._mesh = self._mesh, mesh
         try:
-            yield mesh
+            yield self.default_device_mesh
         finally:
             self._mesh = previous
 

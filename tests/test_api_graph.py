@@ -230,6 +230,22 @@ def test_device_mesh_guard_nests_and_restores(mesh1):
     assert dtorch.default_graph.default_device_mesh == dtorch.DeviceMesh("cpu", [0])
 
 
+def test_device_mesh_guard_none_keeps_the_default(mesh1):
+    """None keeps the default in place, as a loader passing on an optional mesh needs (HF's
+    ``from_pretrained`` path with no ``device_mesh``), and a mesh set inside still unwinds."""
+    g = Graph()
+    with g.device_mesh_guard(None) as m:
+        assert m == g.default_device_mesh == dtorch.DeviceMesh("cpu", [0])
+    with g.device_mesh_guard(mesh1):
+        with g.device_mesh_guard(None) as m:
+            assert m is mesh1 and g.default_device_mesh is mesh1
+            with g.device_mesh_guard("cpu:2"):
+                assert g.default_device_mesh == dtorch.DeviceMesh("cpu", [2])
+            assert g.default_device_mesh is mesh1
+        assert g.default_device_mesh is mesh1
+    assert g.default_device_mesh == dtorch.DeviceMesh("cpu", [0])
+
+
 def test_dtype_guard_nests_and_restores():
     g = Graph()
     assert g.default_dtype is torch.float32

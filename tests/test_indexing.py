@@ -40,9 +40,10 @@ LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S2,)), ("mesh1", (P,)),
 layout = layout_fixture(LAYOUTS)
 
 
-def touched(index, shape) -> set:
+def touched(index, shape, ints: bool = True) -> set:
     """The dims an index touches (docs/ops.md: an int, a slice that is not the whole dim, an
-    index tensor or list, a mask); the others pass whole."""
+    index tensor or list, a mask); the others pass whole. ``ints=False`` leaves out the dims
+    an int indexes."""
     items = index if isinstance(index, tuple) else (index,)
     used = sum(1 for item in items if item is not None and item is not Ellipsis)
     dims, d = set(), 0
@@ -52,10 +53,20 @@ def touched(index, shape) -> set:
         if item is Ellipsis:
             d += len(shape) - used
             continue
-        if not (isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1)):
+        if not (isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1) or
+                isinstance(item, int) and not ints):
             dims.add(d)
         d += 1
     return dims
+
+
+def getitem_refused(placements, index, shape) -> bool:
+    """docs/ops.md: a sharded dim that a slice or an index tensor touches is refused; one an int
+    touches is too where the index also holds tensors or lists (else the int selects from the
+    block that holds it)."""
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = any(isinstance(it, (list, torch.Tensor)) for it in items)
+    return shards_any(placements, touched(index, shape, ints=advanced))
 
 
 def shards_any(placements, dims) -> bool:
@@ -78,7 +89,7 @@ WHOLE_DIM_INDICES = {  # the sharded dims (0 and 2 in LAYOUTS) pass whole: never
     "int+ellipsis": (Ellipsis, 2, slice(None)),
     "mask-torch": (slice(None), torch.tensor([True, False, True, True])),
 }
-TOUCHING_INDICES = {  # these index a dim some layouts shard: refused there
+TOUCHING_INDICES = {  # these index a dim some layouts shard: refused there but for ints
     "first-int": 3,
     "first-slice": slice(1, 4),
     "adv-apart": ([0, 1], slice(None), [2, 3]),
@@ -101,13 +112,13 @@ def test_getitem_whole_dims_keep_shards(name, layout):
 
 @pytest.mark.parametrize("name", TOUCHING_INDICES)
 def test_getitem_touching(name, layout):
-    """Refused (ValueError naming the fix) exactly when a touched dim is sharded; the fix
-    works as written."""
+    """Refused (ValueError naming the fix) exactly when a sharded dim is touched by more than
+    ints; the fix works as written."""
     mesh, placements, exact = layout
     t = sample(SHAPE)
     x = distribute(t, mesh, placements)
     index = TOUCHING_INDICES[name]
-    refused = shards_any(placements, touched(index, SHAPE))
+    refused = getitem_refused(placements, index, SHAPE)
     if check_like_torch(lambda v: v[index], [x], [t], exact, refused=refused, op="getitem"):
         return
     y = x.redistribute(placements=[R] * mesh.ndim)[index]
@@ -171,7 +182,7 @@ def index_items(shape):
 
 def test_getitem_hypothesis(mesh1, mesh2):
     """Random indices over sharded and Partial layouts: refused exactly when the index touches
-    a sharded dim, else torch's values."""
+    a sharded dim with more than ints, else torch's values."""
     executed = []
 
     @HYPOTHESIS
@@ -183,12 +194,48 @@ def test_getitem_hypothesis(mesh1, mesh2):
         t = sample(SHAPE)
         x = distribute(t, mesh, placements)
         index = data.draw(index_items(SHAPE))
-        refused = shards_any(placements, touched(index, SHAPE))
+        refused = getitem_refused(placements, index, SHAPE)
         if check_like_torch(lambda v: v[index], [x], [t], refused=refused, op="getitem"):
             executed.append(index)
 
     example()
     assert_executed({"getitem": len(executed)}, ["getitem"], 10)
+
+
+@pytest.mark.parametrize("placements", [(S0,), (S0, S0), (S0, P), (P, S1), (S1, S0)], ids=str)
+def test_getitem_int_on_sharded_dim_selects_from_its_block(placements, mesh1, mesh2):
+    """Every int on a dim that some mesh dims shard (uneven: 5 rows on 3 or 4 devices, a
+    device with no row at all): the device holding the element selects it, the result is
+    Replicate on those mesh dims (a Partial elsewhere stays, to be reduced later), with torch's
+    values bit for bit (the others add zeros)."""
+    mesh = mesh1 if len(placements) == 1 else mesh2
+    t = sample((5, 3, 4))
+    x = distribute(t, mesh, placements)
+    for index in [*range(-5, 5), (4, 1), (Ellipsis, 2, slice(None)), (0, None, -1)]:
+        y = x[index]
+        for p, q in zip(y.placements, placements):
+            assert p == q if q.is_partial() else (p == R) == (q.dim in touched(index, t.shape))
+        assert torch.equal(y.to_torch(), t[index]), index
+    assert all(torch.equal(a.to_torch(), b) for a, b in zip(x, t))  # iteration, as torch's
+
+
+def test_getitem_int_on_sharded_dim_refused_with_tensors_and_bools(mesh1):
+    """A sharded int-indexed dim with index tensors or lists beside it, or of a bool tensor
+    (a bool sum is no selection), keeps the refusal naming the fix."""
+    t = sample((5, 3))
+    assert_refused(lambda v: v[1, [0, 2]], distribute(t, mesh1, [S0]), op="getitem")
+    assert_refused(lambda v: v[2], distribute(t > 0, mesh1, [S0]), op="getitem")
+    assert_refused(lambda v: v[1:3], distribute(t, mesh1, [S0]), op="getitem")
+
+
+def test_getitem_int_on_sharded_dim_differentiates(mesh1):
+    """The gradient of a selected row lands in the owner's block (zeros elsewhere), as torch's."""
+    t = sample((5, 3))
+    w = dtorch.from_torch(t, device_mesh=mesh1, placements=[S0], requires_grad=True)
+    (w[3] * dtorch.arange(3.0, device_mesh=mesh1)).sum().backward()
+    expected = torch.zeros(5, 3)
+    expected[3] = torch.arange(3.0)
+    assert torch.equal(w.grad.to_torch(), expected)
 
 
 def test_getitem_dtorch_index_tensor(mesh2):

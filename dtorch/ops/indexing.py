@@ -1,8 +1,9 @@
 """Indexing: ``x[index]``, ``x[index] = v``, and torch's indexing functions.
 
-A dim that an index touches (an int, a slice that is not the whole dim, an index tensor) must be
-Replicate: a shard's block of a slice of an uneven split is generally not an ``array_split``
-chunk of the result, so the rule refuses rather than give wrong values. A dim that passes whole
+A dim that a slice (not the whole dim) or an index tensor touches must be Replicate: a shard's
+block of a slice of an uneven split is generally not an ``array_split`` chunk of the result, so
+the rule refuses rather than give wrong values. An int may index a sharded dim: the device whose
+block holds it selects it (``ops/select_sharded.py``). A dim that passes whole
 (``:``, ``...``, the dims after the index) keeps its shard at its new position, since each
 device then indexes its own block exactly as torch indexes the whole. Selection copies elements
 and never combines them, so every Partial passes ``x[index]``; index tensors are Replicate.
@@ -40,6 +41,7 @@ from ..tensor import Tensor
 from .creation import from_torch
 from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand
+from .select_sharded import local_items, picked_dims, picking_rows, reduce_picked
 
 R = Replicate()
 TENSOR, ELLIPSIS = "T", "..."
@@ -119,13 +121,23 @@ def getitem_meta(input, *indices, index):
     return _getitem(input, *meta_indices(indices), index=index)
 
 
+def _getitem_kernel(ctx, input, *indices, index):
+    picked = picked_dims(ctx.in_specs[0], index, len(indices))
+    if picked:
+        index = local_items(ctx, index, picked)
+        if index is None:  # another device's block holds the element
+            return torch.zeros(ctx.out_local_shape, dtype=input.dtype, device=input.device)
+    return _getitem(input, *indices, index=index)
+
+
 def getitem_rule(call) -> Placed:
     spec, *idx = call.tensors
     dims = passthrough_dims(call.static["index"], spec.shape, [len(s.shape) for s in idx])
+    picked = picked_dims(spec, call.static["index"], len(idx))
     rest = (R,) * len(idx)
     rows = [((Shard(o),), (Shard(d),) + rest) for d, o in dims.items()]
-    rows += [((p,), (p,) + rest) for p in ALL_PARTIALS]
-    return expand(call, rows)
+    rows += [((p,), (p,) + rest) for p in ALL_PARTIALS] + picking_rows(picked)
+    return reduce_picked(expand(call, rows), spec, picked)
 
 
 def _setitem(input, value, *indices, index):
@@ -405,8 +417,8 @@ def _replicated(t: torch.Tensor, like: Tensor) -> Tensor:
     return from_torch(t, mesh, [Replicate()] * mesh.ndim)
 
 
-register(OpDef("getitem", "getitem(input: Tensor, indices: TensorList, index)", _getitem,
-               getitem_rule, meta=getitem_meta, function=False, flags=VIEW,
+register(OpDef("getitem", "getitem(input: Tensor, indices: TensorList, index)", _getitem_kernel,
+               getitem_rule, meta=getitem_meta, function=False, flags=VIEW, uses_context=True,
                methods=("__getitem__",), front=getitem))
 register(OpDef("setitem", "setitem(input: Tensor, value: Tensor, indices: TensorList, index)",
                _setitem, setitem_rule, meta=setitem_meta, function=False, flags=INPLACE,
