@@ -49,7 +49,7 @@ def main() -> None:
         vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, device_mesh=mesh)
+    model = LlamaForCausalLM(config, device_mesh=mesh).train()  # modules start in eval mode
     if args.zero == 3:  # FSDP2's order: each decoder layer, then the root
         for layer in model.model.layers:
             dtorch.nn.fully_shard(layer)

@@ -216,7 +216,8 @@ def test_batch_norm_channels_last_and_checks(mesh1):
     with pytest.raises(ValueError, match="expected 4D input"):
         nn.BatchNorm2d(6)(dtorch.from_torch(sample(5, 6)))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        nn.BatchNorm2d(6)(dtorch.from_torch(sample(1, 6, 1, 1)))
+        nn.BatchNorm2d(6).train()(dtorch.from_torch(sample(1, 6, 1, 1)))
+    nn.BatchNorm2d(6)(dtorch.from_torch(sample(1, 6, 1, 1)))  # eval mode: running statistics
 
 
 def test_norms_start_as_torch(mesh1):
@@ -455,8 +456,9 @@ def test_dropout_honours_train_and_eval(placements, mesh1):
     t = sample(60, 50)
     x = dtorch.from_torch(t, device_mesh=mesh1, placements=placements)
     drop = nn.Dropout(0.3)
-    assert drop.training  # a new module trains, as in torch
-    out = drop(x).to_torch()
+    assert not drop.training  # a new module starts in eval mode, as DTorch's do
+    assert_close(drop(x), t, exact=True)
+    out = drop.train()(x).to_torch()
     kept = out != 0
     assert 0.2 < 1 - kept.float().mean().item() < 0.4
     torch.testing.assert_close(out[kept], t[kept] / 0.7)
@@ -464,9 +466,9 @@ def test_dropout_honours_train_and_eval(placements, mesh1):
     model = nn.Sequential(nn.Dropout(1.0))
     assert_close(model.train()(x), torch.zeros_like(t), exact=True)
     assert_close(model.eval()(x), t, exact=True)
-    assert_close(nn.Dropout(0.0)(x), t, exact=True)
+    assert_close(nn.Dropout(0.0).train()(x), t, exact=True)
     y = dtorch.from_torch(t, device_mesh=mesh1, placements=placements)
-    out = nn.Dropout(0.5, inplace=True)(y)
+    out = nn.Dropout(0.5, inplace=True).train()(y)
     assert_close(y, out.to_torch(), exact=True)
     assert (out.to_torch() == 0).any()
 

@@ -180,4 +180,8 @@ def test_containers_and_qualified_names():
     assert sorted(seen.values()) == ["body.1.block.0", "body.1.block.1"]
     assert inner[0].qualified_name() == "Probe"  # outside a call
     assert isinstance(model, torch.nn.Module) and len(inner) == 2
-    assert root.training and not root.eval().training and root.train().body.training
+    # a new module, its children and torch containers over them start in eval mode (DTorch's
+    # default); train()/eval() reach every module below, as in torch
+    assert not any(m.training for m in root.modules() if isinstance(m, nn.Module))
+    assert all(m.training for m in root.train().modules())
+    assert not any(m.training for m in root.eval().modules())

@@ -3,8 +3,9 @@
 A call runs ``redistribute_input`` (the layout the module wants its inputs in), ``forward`` and
 ``redistribute_output``, between torch's forward pre-hooks and forward hooks (DTorch runs no
 hooks). Everything else is torch's: ``named_parameters``, ``modules``, ``apply``,
-``train()``/``eval()`` (a new module is in training mode, as in torch; DTorch's start in eval),
-``state_dict()`` (dtorch tensors, aliases of the parameters).
+``train()``/``eval()``, ``state_dict()`` (dtorch tensors, aliases of the parameters), but for one
+default: a new module starts in eval mode, as DTorch's do (programs written for DTorch never call
+``eval()``, and in training mode their dropout would drop); call ``train()`` before training.
 
 ``load_state_dict`` takes torch or dtorch tensors and puts each value in its parameter's layout:
 a full torch state dict loads into any mesh, with no manual sharding (Shard slices, uneven
@@ -45,6 +46,10 @@ _calls = threading.local()  # the modules being called, outermost first (for qua
 
 
 class Module(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.training = False  # DTorch's default (see the module docstring)
+
     # -- the call -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         stack = _calls.__dict__.setdefault("stack", [])
