@@ -360,8 +360,9 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     if mesh.device_type != spec.mesh.device_type:
         raise NotImplementedError("moving a tensor between device types is not supported yet")
     placements = normalize_placements(placements, len(mesh.shape), len(spec.shape))
-    if mesh == spec.mesh and placements == spec.placements:
+    dst = intern_spec(spec.shape, spec.dtype, mesh, placements)  # (S on one device is R)
+    if dst is spec:
         return t
     s = _session.current()
-    b = bind_redistribute(s, spec, intern_spec(spec.shape, spec.dtype, mesh, placements))
+    b = bind_redistribute(s, spec, dst)
     return issue(s, b, (t,), s.site())
