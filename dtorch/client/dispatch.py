@@ -25,7 +25,7 @@ from ..current import current_graph, per_thread
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import INPLACE, freeze, lookup
-from ..ops.rules import Call, inplace_error
+from ..ops.rules import Call, check_sub_splits, inplace_error
 from ..placement import Replicate, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor, symbol
@@ -286,6 +286,8 @@ def bind(s, op, operands, static) -> Bound:
     inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
     call = Call(op, inputs, kw, outs, mesh)
     placed = op.placement(call)
+    if not op.sub_splits:
+        check_sub_splits(call, placed)
     held = outs
     if placed.accumulate is not None:  # the kernel computes in it; ``post`` casts back
         kw = {**kw, "dtype": placed.accumulate}
