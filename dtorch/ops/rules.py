@@ -171,8 +171,7 @@ def check_sub_splits(call: Call, placed: Placed) -> None:
         if not splits:
             continue
         outs = [o[i] for o in placed.outs]
-        if len(splits) == 1 and all(_sub_split(o) in splits for o in outs
-                                    if isinstance(o, Shard)):
+        if all(_sub_split(o) in splits for o in outs if isinstance(o, Shard)):
             continue
         names = operand_names(call)
         got = ", ".join(f"{n}={p}" for n, p in zip(names, ins))
