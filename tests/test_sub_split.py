@@ -13,8 +13,7 @@ from helpers import assert_close, distribute, sample
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.placement import (decode_placement, encode_placement, local_pieces,
-                              normalize_layout)
+from dtorch.placement import decode_placement, encode_placement, local_pieces, normalize_layout
 
 R, P = Replicate(), Partial()
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
