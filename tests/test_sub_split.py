@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as TF
-from helpers import assert_close, distribute, sample
+from helpers import assert_close, distribute, fixture_settings, sample
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
@@ -69,6 +71,27 @@ def test_local_pieces_nest_each_segment_over_the_mesh_dims():
     assert local_pieces((4,), (3,), (Shard(0, (1, 3)),), (2,)) == (((3, 1),),)
     # a Shard on a mesh dim of one device is Replicate
     assert normalize_layout((4, 6), (1, 2), (S0, Shard(1, (2, 4)))) == (R, Shard(1, (2, 4)))
+
+
+@pytest.mark.no_runtime
+def test_rows_carry_it_only_to_dims_of_its_extent():
+    from dtorch.ops.registry import lookup
+    from dtorch.ops.rules import Call, Placed, check_sub_splits, expand
+    from dtorch.spec import MeshInfo, intern_spec
+
+    mesh = MeshInfo("cpu", (2,), (0, 1))
+    x = intern_spec((8, 3), "float32", mesh, (Shard(0, (5, 3)),))
+    row = [((S0,), (S0,))]
+    same = Call(lookup("neg"), (x,), {}, [((8, 3), torch.float32)], mesh)
+    assert expand(same, row).outs == ((Shard(0, (5, 3)),),)
+    longer = Call(lookup("neg"), (x,), {}, [((16, 3), torch.float32)], mesh)
+    with pytest.raises(ValueError, match="no rule takes"):
+        expand(longer, row)
+    # a rule result that reads it as a plain Shard is refused, naming the fix
+    with pytest.raises(ValueError, match=r"input = input\.redistribute\(placements=\[Shard\("
+                                         r"dim=0\)\]\)"):
+        check_sub_splits(same, Placed(((S0,),)))
+    check_sub_splits(same, Placed(((P,),)))  # every device's positions, reduced after
 
 
 # -- blocks, creation, reading back ---------------------------------------------------------------
@@ -328,3 +351,51 @@ def test_attention_sharded_on_a_one_device_cp_dim():
         out = F.scaled_dot_product_attention(*xs, is_causal=causal)
         assert out.placements == [Shard(1), S2, R]
         assert_close(out, TF.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+# -- plans and a property over layouts ------------------------------------------------------------
+
+
+@pytest.mark.no_runtime
+def test_plans_go_through_replicate():
+    from dtorch.redistribute import plan_redistribute
+
+    split = Shard(0, (3, 2))
+
+    def kinds(src, dst):
+        return [s.kind for s in plan_redistribute(tuple(src), tuple(dst))]
+
+    assert kinds([split], [S1]) == ["all_gather", "chunk"]
+    assert kinds([split], [S0]) == ["all_gather", "chunk"]
+    assert kinds([P], [split]) == ["all_reduce", "chunk"]
+    assert kinds([split], [P]) == ["all_gather", "partition"]
+    assert kinds([split, split], [S0, S0]) == ["all_gather", "all_gather", "chunk", "chunk"]
+    assert kinds([S1, R], [S1, split]) == ["chunk"]  # another tensor dim: no conflict
+
+
+layouts = st.sampled_from([
+    ("mesh1", lambda s: [s]), ("mesh2", lambda s: [s, s]), ("mesh2", lambda s: [S1, s]),
+    ("mesh2", lambda s: [s, R]), ("mesh2", lambda s: [P, s]), ("mesh3", lambda s: [s, S1, s]),
+])
+
+
+@given(data=st.data())
+@fixture_settings(max_examples=25)
+def test_any_sub_split_round_trips(request, data):
+    """from_torch, to_torch, an elementwise op and a redistribute to a random layout and back,
+    for random segments (empty pieces included: segments smaller than the mesh dim)."""
+    segments = data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=4), label="segments")
+    mesh_name, make = data.draw(layouts, label="layout")
+    mesh = request.getfixturevalue(mesh_name)
+    t = sample((sum(segments), 3), seed=len(segments))
+    src = make(Shard(0, segments))
+    x = distribute(t, mesh, src)
+    assert x.placements == src
+    assert_close(x * 2, t * 2)
+    choices = [R, S0, S1, P, Shard(0, segments[::-1])]
+    dst = [data.draw(st.sampled_from(choices), label=f"mesh dim {i}") for i in range(mesh.ndim)]
+    if len({p.sub_split for p in dst if p.is_shard(0)}) > 1:
+        dst = [R if p.is_shard(0) else p for p in dst]
+    y = x.redistribute(placements=dst)
+    assert_close(y, t)
+    assert_close(y.redistribute(placements=src), t)
