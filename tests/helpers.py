@@ -137,12 +137,15 @@ def layout_id(layout) -> str:
 def layout_fixture(layouts: list):
     """A ``layout`` fixture over ``layouts``, rows of (mesh fixture name, placements). Each test
     gets (mesh, placements as a list, exact): exact (bit-identical to torch) on ``one``, the
-    one-device mesh. Use as ``layout = layout_fixture(LAYOUTS)`` in a test module."""
+    one-device mesh. The placements are as a tensor reads them back: a Shard on a mesh dim of
+    one device is Replicate. Use as ``layout = layout_fixture(LAYOUTS)`` in a test module."""
 
     @pytest.fixture(params=layouts, ids=layout_id)
     def layout(request):
         name, placements = request.param
-        return request.getfixturevalue(name), list(placements), name == "one"
+        mesh = request.getfixturevalue(name)
+        return mesh, [Replicate() if p.is_shard() and n == 1 else p
+                      for p, n in zip(placements, mesh.shape)], name == "one"
 
     return layout
 

@@ -114,8 +114,6 @@ def refused_by(name, placements, mesh) -> bool:
     """CASES' declaration for a layout: a shard of a dim the op acts on (a reshape: see merge
     and split), or a Partial sum where the op adds a constant."""
     shape, fn, acted, refuses_sum = CASES[name]
-    # a Shard on a mesh dim of one device is Replicate: that device holds the whole dim
-    placements = [R if p.is_shard() and n == 1 else p for p, n in zip(placements, mesh.shape)]
     if refuses_sum and P in placements:
         return True
     if acted == RESHAPE:
