@@ -77,17 +77,21 @@ def take_segments_rule(call):
     placement passes (a copy of whole positions)."""
     (spec,) = call.tensors
     dim, start, length = (call.static[k] for k in ("dim", "start", "length"))
+    if any(p.is_shard(dim) and not p.sub_split for p in spec.placements):
+        raise ValueError(f"dtorch._take_segments: dim {dim} is sharded plainly "
+                         f"({list(spec.placements)}), not sub-split; slice it instead")
     outs = tuple(Shard(dim, _segments_within(p.sub_split, start, length))
-                 if p.is_shard(dim) and p.sub_split else p for p in spec.placements)
+                 if p.is_shard(dim) else p for p in spec.placements)
     return Placed((outs,))
 
 
 def _take_segments(ctx, input, dim, start, length):
     """This device's pieces of the segments within ``[start, start + length)``: one range of
-    its block."""
+    its block (the whole range, on a dim it holds whole)."""
     pieces = ctx.in_specs[0].local_pieces(ctx.coord)[dim]
-    first = sum(n for offset, n in pieces if offset < start)
-    count = sum(n for offset, n in pieces if start <= offset < start + length)
+    stop = start + length
+    first = sum(max(0, min(offset + n, start) - offset) for offset, n in pieces)
+    count = sum(max(0, min(offset + n, stop) - max(offset, start)) for offset, n in pieces)
     return input.narrow(dim, first, count).clone()
 
 
