@@ -137,12 +137,15 @@ def layout_id(layout) -> str:
 def layout_fixture(layouts: list):
     """A ``layout`` fixture over ``layouts``, rows of (mesh fixture name, placements). Each test
     gets (mesh, placements as a list, exact): exact (bit-identical to torch) on ``one``, the
-    one-device mesh. Use as ``layout = layout_fixture(LAYOUTS)`` in a test module."""
+    one-device mesh. The placements are as a tensor reads them back: a Shard on a mesh dim of
+    one device is Replicate. Use as ``layout = layout_fixture(LAYOUTS)`` in a test module."""
 
     @pytest.fixture(params=layouts, ids=layout_id)
     def layout(request):
         name, placements = request.param
-        return request.getfixturevalue(name), list(placements), name == "one"
+        mesh = request.getfixturevalue(name)
+        return mesh, [Replicate() if p.is_shard() and n == 1 else p
+                      for p, n in zip(placements, mesh.shape)], name == "one"
 
     return layout
 
@@ -182,7 +185,8 @@ def distribute(t: torch.Tensor, mesh, placements, seed: int = 0) -> dtorch.Tenso
         stacked = parts.movedim(0, lead)
     lead = len(partial_dims)
     layout = [Shard(partial_dims.index(i)) if p.is_partial() else
-              Shard(p.dim + lead) if p.is_shard() else p for i, p in enumerate(placements)]
+              Shard(p.dim + lead, p.sub_split) if p.is_shard() else p
+              for i, p in enumerate(placements)]
     x = dtorch.from_torch(stacked.contiguous(), device_mesh=mesh, placements=layout)
     return dtorch.local_map(torch.squeeze, placements)(x, tuple(range(lead)))
 

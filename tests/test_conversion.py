@@ -64,8 +64,8 @@ def test_to_returns_self_unless_it_changes(mesh1):
 def test_to_mesh_and_other(mesh1, mesh2, one):
     t = sample()
     x = distribute(t, mesh1, [S1])
-    y = x.to(one)  # same placements on another 1-D mesh
-    assert y.device_mesh == one and y.placements == [S1]
+    y = x.to(one)  # same placements on another 1-D mesh (a Shard on one device: Replicate)
+    assert y.device_mesh == one and y.placements == [R]
     assert_close(y, t, exact=True)
     z = x.to(distribute(sample(dtype=torch.float64), one, [R]))  # other's dtype and mesh
     assert z.device_mesh == one and z.dtype == torch.float64

@@ -43,7 +43,7 @@ import dtorch
 import extension_kernels as K
 from dtorch import Partial, Replicate, Shard
 from dtorch.autograd import tape
-from dtorch.ops.registry import REGISTRY
+from dtorch.ops.registry import REGISTRY, issue
 from dtorch.protocol import COMM, IMPURE, INPLACE
 from helpers import distribute
 
@@ -309,6 +309,9 @@ CASES = {
     # a Replicate block read as a Partial piece: the value times the number of pieces
     "relabel": case(lambda x: x.view([P if p.is_replicate() else p for p in x.placements]),
                     Arg(X, places=NOT_PARTIAL)),
+    # the second half of a cat along its shard: a sub-split cut back into a segment
+    "_take_segments": case(lambda x: issue("_take_segments", (dtorch.cat([x, x * 2], 0),),
+                                           (0, 5, 5)), Arg(X, places=(Shard(0), R))),
     # -- indexing
     "gather": case(lambda x: x.gather(1, const(COLS, x)), X),
     "index_select": case(lambda x: x.index_select(0, const(ROWS, x)), X),

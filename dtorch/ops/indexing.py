@@ -41,6 +41,7 @@ from ..tensor import Tensor
 from .creation import from_torch
 from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand
+from .segments import cut_slice
 from .select_sharded import local_items, picked_dims, picking_rows, reduce_picked
 
 R = Replicate()
@@ -181,6 +182,9 @@ _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 def getitem(self: Tensor, index) -> Tensor:
+    segments = cut_slice(self, index)  # whole segments of a sub-split dim: a local cut
+    if segments is not None:
+        return segments
     items, tensors = index_operands(self, index)
     return issue("getitem", (self, *tensors), (items,))
 

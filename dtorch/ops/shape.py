@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..placement import Placement, Replicate, Shard, normalize_placements, placements_str
+from ..placement import Placement, Replicate, Shard, is_int, normalize_placements, placements_str
 from .creation import size_arg
+from .segments import cut_segments, sub_split_of, torch_split_sizes
 from .registry import VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, Placed, expand, placement_error
 
@@ -74,10 +75,11 @@ def reshape_rule(call) -> Placed:
     outs, bad = [], []
     for i, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            if p.dim not in dim_map:
+            # a sub-split passes only to an output dim that is the same dim (same size)
+            if p.dim not in dim_map or p.sub_split and a[p.dim] != b[dim_map[p.dim]]:
                 bad.append((i, (p,)))
                 continue
-            p = Shard(dim_map[p.dim])
+            p = Shard(dim_map[p.dim], p.sub_split)
         outs.append(p)
     if bad:
         raise placement_error(call, {(R,): None}, bad)
@@ -135,6 +137,7 @@ def relabel_rule(call) -> Placed:
 
 register(OpDef("relabel", "relabel(input: Tensor, placements)",
                lambda input: input.view(input.shape), relabel_rule, function=False, flags=VIEW,
+               sub_splits=True,  # DTorch's way to read a sub-split's blocks as plain ones
                meta=lambda input: input))
 
 
@@ -286,9 +289,23 @@ register(OpDef("narrow", "narrow(input: Tensor, dim, start, length)", torch.narr
 # split, chunk and unbind cut one dim into several results: along any other dim each piece's
 # block is the local block's piece (the cut dim is whole on every device, so each device cuts it
 # into as many pieces, of torch's sizes). unbind removes its dim, renumbering the ones after it.
+def split(tensor, split_size_or_sections, dim=0):
+    """``torch.split``; along a sub-split dim, parts that line up with its segments are cut
+    locally (``ops/segments.py``)."""
+    if is_int(dim) and tensor.ndim and sub_split_of(tensor, dim % tensor.ndim):
+        try:
+            sizes = torch_split_sizes(tensor.shape, dim, split_size_or_sections)
+        except (RuntimeError, TypeError, ValueError):
+            sizes = None  # torch's own error, from the operator below
+        parts = sizes and cut_segments(tensor, dim, sizes)
+        if parts:
+            return parts
+    return _as_tuple(issue("split", (tensor,), (split_size_or_sections, dim)))
+
+
 register(OpDef("split", "split(tensor: Tensor, split_size_or_sections, dim=0)",
                _parts(torch.split), moving_rule(_at("dim")), meta=torch.split,
-               methods=("split",), flags=VIEW, result=_as_tuple))
+               methods=("split",), flags=VIEW, result=_as_tuple, front=split))
 
 
 def chunk(input, chunks=None, dim=0, *, chunk=None):
@@ -306,6 +323,10 @@ def chunk(input, chunks=None, dim=0, *, chunk=None):
     chunks = chunk if chunks is None else chunks
     if chunks is None:
         raise TypeError("chunk() missing required argument 'chunks' (pos 1)")
+    if is_int(chunks) and is_int(dim) and chunks > 0 and sub_split_of(input, dim % input.ndim):
+        parts = cut_segments(input, dim, torch_split_sizes(input.shape, dim, chunks, True))
+        if parts is not None:
+            return parts
     return _as_tuple(issue("chunk", (input,), (chunks, dim)))
 
 
@@ -418,7 +439,10 @@ for _name in ("tril", "triu"):
 
 def cat_rule(call) -> Placed:
     """Inputs share a placement; a shard of a dim other than the joined one stays (stack inserts
-    a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass."""
+    a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass.
+    Inputs all sharded along the joined dim give a sub-split Shard: each device joins its
+    blocks of the inputs, which are its pieces of the inputs' segments (an input is one segment
+    or, sub-split itself, its own), with no communication."""
     specs = call.tensors
     ndim = len(specs[0].shape)
     dim = call.static.get("dim", 0)
@@ -430,10 +454,22 @@ def cat_rule(call) -> Placed:
             out = d + 1 if stacking and d >= dim else d
             rows.append(((Shard(out),), (Shard(d),) * len(specs)))
     rows += [((p,), (p,) * len(specs)) for p in ALL_PARTIALS]
+    if not stacking:
+        segments = sum((_segments(s, dim) for s in specs), ())
+        for i in range(len(call.mesh.shape)):
+            ins = tuple(s.placements[i] for s in specs)
+            if all(p.is_shard(dim) for p in ins):
+                rows.append(((Shard(dim, segments),), ins))
     return expand(call, rows)
 
 
+def _segments(spec, dim: int) -> tuple:
+    """The segments of ``spec``'s dim ``dim``: its sub-split's, or the whole dim."""
+    split = next((p.sub_split for p in spec.placements if p.is_shard(dim)), None)
+    return split or (spec.shape[dim],)
+
+
 register(OpDef("cat", "cat(tensors: TensorList, dim=0)", lambda *ts, dim=0: torch.cat(ts, dim),
-               cat_rule, aliases=("concat", "concatenate")))
+               cat_rule, aliases=("concat", "concatenate"), sub_splits=True))
 register(OpDef("stack", "stack(tensors: TensorList, dim=0)",
                lambda *ts, dim=0: torch.stack(ts, dim), cat_rule))
