@@ -1,19 +1,24 @@
-"""An MMDiT block with joint attention (``tests/mmdit.py``, written with ``dtorch.nn``) against
-diffusers' SD3 ``JointTransformerBlock`` with the same random weights, on one device, tensor
-and data parallel meshes, and with the sequence of both streams split over Ulysses and Ring
-context parallelism, where joint attention concatenates two sharded sequences."""
+"""MMDiT blocks with joint attention (``tests/mmdit.py``, written with ``dtorch.nn``) against
+diffusers' SD3 ``JointTransformerBlock`` and Flux's ``FluxTransformerBlock`` and
+``FluxSingleTransformerBlock`` with the same random weights, on one device, tensor and data
+parallel meshes, and with the sequence of both streams split over Ulysses and Ring context
+parallelism, where joint attention concatenates two sharded sequences (and Flux its RoPE
+tables)."""
 
 import pytest
 import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from mmdit import JointTransformerBlock
+from mmdit import FluxSingleTransformerBlock, FluxTransformerBlock, JointTransformerBlock
 
 diffusers_attention = pytest.importorskip("diffusers.models.attention")
+diffusers_flux = pytest.importorskip("diffusers.models.transformers.transformer_flux")
+diffusers_embeddings = pytest.importorskip("diffusers.models.embeddings")
 
 DIM, HEADS, HEAD_DIM = 32, 4, 8
 BATCH, IMAGE_LEN, TEXT_LEN = 3, 8, 6  # dp2 splits the batch 2 + 1
+IMAGE_ROWS = 2  # Flux's image positions: a 2 x 4 grid
 CP_DIMS = ("ulysess_cp", "ring_cp")
 # name: (mesh shape, mesh dim names)
 LAYOUTS = {
@@ -28,13 +33,16 @@ LAYOUTS = {
 }
 
 
-SUB_SPLIT = pytest.mark.xfail(strict=True, reason="cat of two sequences sharded over a CP dim "
+SUB_SPLIT = pytest.mark.xfail(strict=True, reason="cat of two tensors sharded along the cat dim "
                               "needs the sub-split Shard placement")
 
 
-def layout_params():
-    return [pytest.param(name, marks=SUB_SPLIT) if set(names) & set(CP_DIMS) else name
-            for name, (_, names) in LAYOUTS.items()]
+def layout_params(concatenated_over=CP_DIMS):
+    """The layouts, those with a mesh dim in ``concatenated_over`` (where the block
+    concatenates tensors sharded along the cat dim) marked with what they need."""
+    return [pytest.param(name, marks=SUB_SPLIT)
+            if any(n in concatenated_over and size > 1 for n, size in zip(names, shape))
+            else name for name, (shape, names) in LAYOUTS.items()]
 
 
 def mesh_of(layout):
@@ -42,15 +50,13 @@ def mesh_of(layout):
     return dtorch.init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def reference_block(context_pre_only, qk_norm, seed=0):
-    torch.manual_seed(seed)
-    block = diffusers_attention.JointTransformerBlock(
-        DIM, HEADS, HEAD_DIM, context_pre_only=context_pre_only, qk_norm=qk_norm).eval()
-    with torch.no_grad():  # diffusers starts the RMSNorm weights at 1: random ones test loading
-        for name, p in block.named_parameters():
+def randomized(module):
+    """``module`` with random norm weights (diffusers starts them at 1), in eval mode."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
             if "norm" in name and name.endswith("weight") and "linear" not in name:
                 p.uniform_(0.5, 1.5)
-    return block
+    return module.eval()
 
 
 def inputs(seed=1):
@@ -60,32 +66,97 @@ def inputs(seed=1):
             torch.randn(BATCH, DIM, generator=g))
 
 
-def placed(t, mesh, sequence):
-    """``t`` with the batch over ``dp`` and, when ``sequence``, dim 1 over the CP dims."""
-    layout = [Shard(0) if name == "dp" else Shard(1) if sequence and name in CP_DIMS
-              else Replicate() for name in mesh.dim_names]
+def placed(t, mesh, seq_dim=None):
+    """``t`` with the batch (dim 0) over ``dp`` and ``seq_dim`` over the CP dims."""
+    layout = [Shard(0) if name == "dp" and seq_dim != 0 else
+              Shard(seq_dim) if seq_dim is not None and name in CP_DIMS else Replicate()
+              for name in mesh.dim_names]
     return dtorch.from_torch(t, device_mesh=mesh, placements=layout)
+
+
+def build(cls, mesh, reference, *args):
+    with dtorch.Graph.default_graph().device_mesh_guard(mesh):
+        block = cls(DIM, HEADS, HEAD_DIM, *args)
+    block.load_state_dict(reference.state_dict())
+    return block
+
+
+def assert_equal_diffusers(got, want, mesh):
+    """Same values, laid out as the block's input: batch over dp, sequence over CP."""
+    assert got.placements == placed(want, mesh, 1).placements
+    torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("layout", layout_params())
 @pytest.mark.parametrize("context_pre_only,qk_norm", [(False, "rms_norm"), (True, None)],
                          ids=["block", "last-block"])
-def test_joint_block_equals_diffusers(layout, context_pre_only, qk_norm):
-    ref = reference_block(context_pre_only, qk_norm)
+def test_sd3_joint_block_equals_diffusers(layout, context_pre_only, qk_norm):
+    torch.manual_seed(0)
+    ref = randomized(diffusers_attention.JointTransformerBlock(
+        DIM, HEADS, HEAD_DIM, context_pre_only=context_pre_only, qk_norm=qk_norm))
     mesh = mesh_of(layout)
-    with dtorch.Graph.default_graph().device_mesh_guard(mesh):
-        block = JointTransformerBlock(DIM, HEADS, HEAD_DIM, context_pre_only, qk_norm)
-    block.load_state_dict(ref.state_dict())
+    block = build(JointTransformerBlock, mesh, ref, context_pre_only, qk_norm)
     hidden, context, temb = inputs()
     with torch.no_grad():
         want_context, want_hidden = ref(hidden, context, temb)
-    got_context, got_hidden = block(placed(hidden, mesh, True), placed(context, mesh, True),
-                                    placed(temb, mesh, False))
-    expected_layout = placed(hidden, mesh, True).placements
-    assert got_hidden.placements == expected_layout
-    torch.testing.assert_close(got_hidden.to_torch(), want_hidden, atol=1e-4, rtol=1e-4)
+    got_context, got_hidden = block(placed(hidden, mesh, 1), placed(context, mesh, 1),
+                                    placed(temb, mesh))
+    assert_equal_diffusers(got_hidden, want_hidden, mesh)
     if context_pre_only:
         assert got_context is None and want_context is None
     else:
-        assert got_context.placements == expected_layout
-        torch.testing.assert_close(got_context.to_torch(), want_context, atol=1e-4, rtol=1e-4)
+        assert_equal_diffusers(got_context, want_context, mesh)
+
+
+def rope_tables():
+    """Flux's ``(cos, sin)`` tables of the text positions (all 0) and of the image grid's."""
+    pos_embed = diffusers_embeddings.FluxPosEmbed(theta=10000, axes_dim=[2, 2, 4])
+    text_ids = torch.zeros(TEXT_LEN, 3)
+    rows, cols = torch.meshgrid(torch.arange(IMAGE_ROWS), torch.arange(IMAGE_LEN // IMAGE_ROWS),
+                                indexing="ij")
+    image_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).flatten(0, 1).float()
+    return pos_embed(text_ids), pos_embed(image_ids)
+
+
+def joint_rope(mesh):
+    """The joint sequence's tables: the text's and the image's, each over the CP dims,
+    concatenated (text first, as Flux orders the tokens)."""
+    text, image = rope_tables()
+    return tuple(dtorch.cat([placed(a, mesh, 0), placed(b, mesh, 0)], dim=0)
+                 for a, b in zip(text, image))
+
+
+def torch_joint_rope():
+    text, image = rope_tables()
+    return tuple(torch.cat([a, b]) for a, b in zip(text, image))
+
+
+@pytest.mark.parametrize("layout", layout_params())
+def test_flux_double_block_equals_diffusers(layout):
+    torch.manual_seed(2)
+    ref = randomized(diffusers_flux.FluxTransformerBlock(DIM, HEADS, HEAD_DIM))
+    mesh = mesh_of(layout)
+    block = build(FluxTransformerBlock, mesh, ref)
+    hidden, context, temb = inputs()
+    with torch.no_grad():
+        want_context, want_hidden = ref(hidden, context, temb, image_rotary_emb=torch_joint_rope())
+    got_context, got_hidden = block(placed(hidden, mesh, 1), placed(context, mesh, 1),
+                                    placed(temb, mesh), image_rotary_emb=joint_rope(mesh))
+    assert_equal_diffusers(got_hidden, want_hidden, mesh)
+    assert_equal_diffusers(got_context, want_context, mesh)
+
+
+@pytest.mark.parametrize("layout", layout_params((*CP_DIMS, "tp")))  # features on tp
+def test_flux_single_block_equals_diffusers(layout):
+    """One stream, the text and image tokens concatenated along the sequence first."""
+    torch.manual_seed(3)
+    ref = randomized(diffusers_flux.FluxSingleTransformerBlock(DIM, HEADS, HEAD_DIM))
+    mesh = mesh_of(layout)
+    block = build(FluxSingleTransformerBlock, mesh, ref)
+    hidden, context, temb = inputs()
+    with torch.no_grad():
+        want = ref(torch.cat([context, hidden], dim=1), temb, image_rotary_emb=torch_joint_rope())
+    joint = dtorch.cat([placed(context, mesh, 1), placed(hidden, mesh, 1)], dim=1)
+    got = block(joint, placed(temb, mesh), image_rotary_emb=joint_rope(mesh))
+    assert got.placements == joint.placements
+    torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
