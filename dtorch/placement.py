@@ -2,14 +2,23 @@
 
 - ``Shard(dim)``: tensor dim ``dim`` is split like ``numpy.array_split`` (sizes differ by at most
   one, larger chunks first) over the devices of that mesh dimension.
+- ``Shard(dim, sub_split=(n0, n1, ...))``: a *sub-split* shard. Tensor dim ``dim`` is cut into
+  consecutive segments of sizes ``n0, n1, ...``; each segment is split as a plain Shard would
+  split it, and every device holds its chunk of every segment, in segment order. It is what
+  ``cat`` of tensors sharded along the joined dim gives: each device's block is its blocks of the
+  inputs, joined, so the join needs no communication (torch's ``_StridedShard`` is the same
+  idea). Every mesh dim that shards one tensor dim carries the same sub-split.
 - ``Replicate()``: every device holds the whole value.
 - ``Partial(op)``: every device holds a contribution; the value is their reduction (sum, max,
   min or avg).
 
 Placements are small frozen values with round-tripping ``repr`` and short ``str`` (``S(0)``,
 ``R``, ``P``). ``Placement("S1")``, DTorch's constructor, builds one from DTorch's strings
-(``"R"``, ``"P"``, ``"S<dim>"``). The sharding math that every role needs (local shapes and
-offsets) lives here too, because it is pure and shared by the client, the controller and the hosts.
+(``"R"``, ``"P"``, ``"S<dim>"``). The sharding math that every role needs (local shapes,
+offsets, and the pieces a sub-split block is made of) lives here too, because it is pure and
+shared by the client, the controller and the hosts. ``normalize_layout`` is the one place where
+a layout is checked against its tensor and mesh (``spec.intern_spec`` calls it for every spec):
+a Shard on a mesh dim of one device holds the whole dim, so it is read back as ``Replicate()``.
 
 >>> Placement("S-1"), Placement("P").is_partial()
 (Shard(dim=-1), True)
@@ -69,8 +78,10 @@ class _ConcretePlacementType(_PlacementType):
 class Placement(metaclass=_PlacementType):
     """How one mesh dim lays a tensor out; ``Placement("R" | "P" | "S<dim>")`` builds one.
 
-    The predicates and getters are DTorch's. dtorch has no shards with sub-split coordinates
-    (DTorch makes them inside ``cat``), so ``has_sub_split_coordinates()`` is always False.
+    The predicates and getters are DTorch's. A sub-split Shard (``Shard(dim, sub_split=...)``,
+    made by ``cat`` along a sharded dim) answers ``has_sub_split_coordinates()`` True, and
+    ``get_sub_split_coordinates()`` gives its segment sizes; ``is_shard(dim)`` is True for it as
+    for a plain Shard, while ``==`` tells the two apart (they lay out different elements).
     """
 
     __slots__ = ()
@@ -92,8 +103,8 @@ class Placement(metaclass=_PlacementType):
     def has_sub_split_coordinates(self) -> bool:
         return False
 
-    def get_sub_split_coordinates(self) -> None:
-        """None: dtorch has no sub-split shards (see the class docstring)."""
+    def get_sub_split_coordinates(self):
+        """The segment sizes of a sub-split Shard (``Shard.sub_split``), None for any other."""
         return None
 
 
@@ -122,12 +133,23 @@ def parse_placement(placement: str) -> Placement:
 
 @dataclass(frozen=True, slots=True)
 class Shard(Placement, metaclass=_ConcretePlacementType):
+    """``Shard(dim)``, or with ``sub_split`` the segment sizes of a sub-split shard (see the
+    module docstring). Empty segments hold nothing on any device and are dropped; one segment
+    is a plain Shard.
+
+    >>> Shard(2, sub_split=[512, 0, 128]), str(Shard(2, (512, 128))), Shard(0, (6,))
+    (Shard(dim=2, sub_split=(512, 128)), 'S(2)[512,128]', Shard(dim=0))
+    """
+
     dim: int
+    sub_split: tuple | None = None
 
     def __post_init__(self):
         # checked here, in every role: a dim that is not an int would only fail when the
         # controller decodes the placement, and take the runtime down with it
         object.__setattr__(self, "dim", as_int(self.dim, "Shard(dim): dim"))
+        if self.sub_split is not None:
+            object.__setattr__(self, "sub_split", _segments(self.sub_split))
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -135,8 +157,38 @@ class Shard(Placement, metaclass=_ConcretePlacementType):
     def get_shard_index(self) -> int:
         return self.dim
 
+    def has_sub_split_coordinates(self) -> bool:
+        return self.sub_split is not None
+
+    def get_sub_split_coordinates(self):
+        return self.sub_split
+
+    def __repr__(self) -> str:
+        if self.sub_split is None:
+            return f"Shard(dim={self.dim})"
+        return f"Shard(dim={self.dim}, sub_split={self.sub_split})"
+
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        if self.sub_split is None:
+            return f"S({self.dim})"
+        return f"S({self.dim})[{','.join(map(str, self.sub_split))}]"
+
+
+def _segments(sizes) -> tuple | None:
+    """``Shard.sub_split`` as stored: a tuple of positive ints, None for at most one segment."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"Shard(dim, sub_split): sub_split must be a sequence of segment sizes "
+                        f"(ints), e.g. (512, 128), got {sizes!r}")
+    sizes = tuple(as_int(n, "Shard(dim, sub_split): a segment size") for n in sizes)
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"Shard(dim, sub_split={sizes}): segment sizes must not be negative")
+    sizes = tuple(n for n in sizes if n)
+    return sizes if len(sizes) > 1 else None
+
+
+def plain(p: Placement) -> Placement:
+    """``p`` without its sub-split: the plain Shard of the same dim, else ``p`` itself."""
+    return Shard(p.dim) if isinstance(p, Shard) and p.sub_split is not None else p
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +240,39 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple:
             d = p.dim + tensor_ndim if p.dim < 0 else p.dim
             if not 0 <= d < tensor_ndim:
                 raise IndexError(f"{p!r} is out of range for a tensor of {tensor_ndim} dims")
-            p = Shard(d)
+            p = Shard(d, p.sub_split)
         out.append(p)
     return tuple(out)
+
+
+def normalize_layout(shape: tuple, mesh_shape: tuple, placements: tuple) -> tuple:
+    """``placements`` as a tensor of ``shape`` on a mesh of ``mesh_shape`` holds them: a Shard
+    on a mesh dim of one device is ``Replicate()`` (that device holds the whole dim, as
+    DTorch reads it too). Refuses sub-splits that do not describe the tensor: segments that do
+    not add up to the dim, or mesh dims that shard one dim with different sub-splits.
+    ``spec.intern_spec`` calls it for every spec it makes, so a factory, ``from_torch``, a
+    redistribute and every operator's result pass it.
+
+    >>> normalize_layout((4, 6), (2, 1), (Shard(0), Shard(1)))
+    (Shard(dim=0), Replicate())
+    """
+    out = tuple(Replicate() if isinstance(p, Shard) and n == 1 else p
+                for p, n in zip(placements, mesh_shape))
+    splits: dict = {}
+    for i, p in enumerate(out):
+        if not isinstance(p, Shard):
+            continue
+        if p.sub_split is not None and sum(p.sub_split) != shape[p.dim]:
+            raise ValueError(f"{p!r} on mesh dim {i}: its segments add up to {sum(p.sub_split)}, "
+                             f"but tensor dim {p.dim} has {shape[p.dim]} elements; give segment "
+                             f"sizes that add up to the dim")
+        first = splits.setdefault(p.dim, (i, p))
+        if first[1] != p:
+            raise ValueError(f"mesh dims {first[0]} and {i} both shard tensor dim {p.dim}, as "
+                             f"{first[1]} and {p}: the mesh dims that shard one dim must all "
+                             f"carry the same sub-split (or none); e.g. placements="
+                             f"{[first[1] if q == p else q for q in out]!r}")
+    return out
 
 
 # reductions a dtype lacks: torch has no max or min of complex numbers, and torch's collectives
@@ -331,8 +413,11 @@ def placements_str(placements) -> str:
 
 
 def encode_placement(p: Placement) -> str:
+    """``"S0"``, ``"S2:512,128"`` (a sub-split), ``"R"``, ``"Psum"``."""
     if isinstance(p, Shard):
-        return f"S{p.dim}"
+        if p.sub_split is None:
+            return f"S{p.dim}"
+        return f"S{p.dim}:{','.join(map(str, p.sub_split))}"
     if isinstance(p, Partial):
         return f"P{p.reduce_op}"
     return "R"
@@ -341,7 +426,8 @@ def encode_placement(p: Placement) -> str:
 @lru_cache(maxsize=None)
 def decode_placement(s: str) -> Placement:
     if s[0] == "S":
-        return Shard(int(s[1:]))
+        dim, _, segments = s[1:].partition(":")
+        return Shard(int(dim), tuple(map(int, segments.split(","))) if segments else None)
     if s[0] == "P":
         return Partial(s[1:])
     return Replicate()
@@ -363,19 +449,86 @@ def chunk_range(size: int, parts: int, index: int) -> tuple:
 
 
 @lru_cache(maxsize=65536)
-def local_region(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple) -> tuple:
-    """(local_shape, offsets) of the block held at mesh ``coord``.
+def local_pieces(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple) -> tuple:
+    """Per tensor dim, the ``(offset, length)`` ranges of the whole tensor that the block at
+    mesh ``coord`` holds, in the order the block holds them: one range for a whole or plainly
+    sharded dim, one per non-empty segment for a sub-split one.
 
     Mesh dims shard in order: a tensor dim sharded by mesh dims 0 and 1 is split over mesh dim 0
-    first, and each of those chunks again over mesh dim 1.
+    first, and each of those chunks again over mesh dim 1 (each segment so, for a sub-split).
+
+    >>> local_pieces((10, 3), (2,), (Shard(0, (6, 4)),), (1,))
+    (((3, 3), (8, 2)), ((0, 3),))
     """
-    sizes, offsets = list(shape), [0] * len(shape)
+    cuts: dict = {}
+    splits: dict = {}
     for i, p in enumerate(placements):
         if isinstance(p, Shard):
-            off, n = chunk_range(sizes[p.dim], mesh_shape[i], coord[i])
-            offsets[p.dim] += off
-            sizes[p.dim] = n
-    return tuple(sizes), tuple(offsets)
+            cuts.setdefault(p.dim, []).append((mesh_shape[i], coord[i]))
+            splits[p.dim] = p.sub_split
+    return tuple(_dim_pieces(n, splits.get(d), cuts.get(d, ())) for d, n in enumerate(shape))
+
+
+def _dim_pieces(size: int, sub_split, cuts) -> tuple:
+    pieces, start = [], 0
+    for segment in sub_split or (size,):
+        offset, length = 0, segment
+        for parts, index in cuts:
+            first, length = chunk_range(length, parts, index)
+            offset += first
+        pieces.append((start + offset, length))
+        start += segment
+    return tuple(pieces) if sub_split is None else tuple(p for p in pieces if p[1])
+
+
+@lru_cache(maxsize=65536)
+def local_region(shape: tuple, mesh_shape: tuple, placements: tuple, coord: tuple) -> tuple:
+    """(local_shape, offsets) of the block held at mesh ``coord`` (see ``local_pieces``). A
+    sub-split dim's block is no one range, so its offset is None: a kernel that reads offsets
+    must take ``local_pieces`` to hold a sub-split (and otherwise fails, never guesses)."""
+    pieces = local_pieces(shape, mesh_shape, placements, coord)
+    return (tuple(sum(n for _, n in dim) for dim in pieces),
+            tuple(dim[0][0] if len(dim) == 1 else None for dim in pieces))
+
+
+def join_order(blocks_pieces) -> list:
+    """How blocks join along one dim into the block their pieces together make: ``blocks_
+    pieces[b]`` are block b's ``(offset, length)`` ranges, in its order; the result is
+    ``[(b, start within block b, length)]`` in the order of the ranges' offsets (the joined
+    block's own order, as every block holds its pieces in the whole tensor's order).
+
+    >>> join_order([((0, 2), (6, 1)), ((2, 2), (7, 1))])
+    [(0, 0, 2), (1, 0, 2), (0, 2, 1), (1, 2, 1)]
+    """
+    found = []
+    for b, pieces in enumerate(blocks_pieces):
+        start = 0
+        for offset, length in pieces:
+            if length:
+                found.append((offset, b, start, length))
+            start += length
+    return [(b, start, length) for _, b, start, length in sorted(found)]
+
+
+def select_order(have, want) -> list:
+    """The ``(start, length)`` ranges, within a block that holds the pieces ``have``, of the
+    pieces ``want`` (each inside one of ``have``'s), in ``want``'s order: cutting a device's
+    block out of a larger block.
+
+    >>> select_order(((0, 4), (10, 4)), ((2, 2), (12, 2)))
+    [(2, 2), (6, 2)]
+    """
+    out = []
+    for offset, length in want:
+        start = 0
+        for first, n in have:
+            if first <= offset and offset + length <= first + n:
+                out.append((start + offset - first, length))
+                break
+            start += n
+        else:
+            raise ValueError(f"piece {(offset, length)} lies in none of {have}")
+    return out
 
 
 def local_shape(shape, mesh_shape, placements, coord) -> tuple:

@@ -15,6 +15,10 @@ the hosts run it (``runtime/collectives.py``). The transitions, one mesh dim at 
     R    -> P      partition        local: device 0 keeps the value, the others the identity
     P(a) -> P(b)   all_reduce, then partition
 
+A sub-split Shard (``Shard(d, sub_split=...)``) leaves and enters only through Replicate: its
+all_gather joins the members' pieces by position and its chunk cuts a device's piece of every
+segment; every other transition to or from it takes those two steps.
+
 Why an order is needed. Mesh dims shard in order (see ``placement.local_region``): a tensor dim
 sharded by mesh dims i < k is split over i first, then each chunk over k. So a mesh dim may change
 how it shards tensor dim d only while no later mesh dim shards d. Partials nest the same way: the
@@ -80,11 +84,17 @@ def _direct(cur, want):
     """The one-step transition between two non-Replicate placements, or None."""
     if cur == want or isinstance(cur, Replicate) or isinstance(want, Replicate):
         return None
+    if _sub_split(cur) or _sub_split(want):  # through Replicate: a gather and a local cut
+        return None
     if isinstance(want, Shard):
         return "all_to_all" if isinstance(cur, Shard) else "reduce_scatter"
     if isinstance(cur, Shard) and want.reduce_op in PAD_OPS:
         return "pad_partial"
     return None
+
+
+def _sub_split(p) -> bool:
+    return isinstance(p, Shard) and p.sub_split is not None
 
 
 LEAVE = {Shard: "all_gather", Partial: "all_reduce"}  # X -> Replicate

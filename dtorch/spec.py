@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from .placement import Partial, Replicate, Shard, check_partials, local_region, placements_str
+from .placement import (Partial, Replicate, Shard, check_partials, local_pieces, local_region,
+                        normalize_layout, placements_str)
 
 
 class MeshInfo:
@@ -72,6 +73,9 @@ class TensorSpec:
     def local_region(self, coord) -> tuple:
         return local_region(self.shape, self.mesh.shape, self.placements, tuple(coord))
 
+    def local_pieces(self, coord) -> tuple:
+        return local_pieces(self.shape, self.mesh.shape, self.placements, tuple(coord))
+
     def with_placements(self, placements) -> TensorSpec:
         return intern_spec(self.shape, self.dtype, self.mesh, placements)
 
@@ -91,13 +95,18 @@ _NEW_SPEC = threading.Lock()  # two threads making one spec get the same object
 
 
 def intern_spec(shape, dtype: str, mesh, placements) -> TensorSpec:
-    """The one TensorSpec with these fields (created on first use, after ``check_partials``:
-    so every layout made anywhere has passed the one rule of which Partials a dtype can
-    hold)."""
+    """The one TensorSpec with these fields (created on first use, after ``check_partials``
+    and ``normalize_layout``: so every layout made anywhere has passed the one rule of which
+    Partials a dtype can hold, and reads a Shard on a mesh dim of one device as Replicate)."""
     key = (tuple(shape), dtype, mesh, tuple(placements))
     spec = _SPECS.get(key)
     if spec is None:
         check_partials(key[3], dtype)
+        placements = normalize_layout(key[0], mesh.shape, key[3])
+        if placements != key[3]:  # the same spec as its normal form, under both keys
+            spec = intern_spec(key[0], dtype, mesh, placements)
+            _SPECS[key] = spec
+            return spec
         with _NEW_SPEC:
             spec = _SPECS.get(key)
             if spec is None:

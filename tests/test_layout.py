@@ -63,7 +63,8 @@ def graph(top_level_only: bool) -> dict:
 # its package. A layer may always import its own modules. ``dtorch`` as a target is the public
 # API, which the layers above the client use as a user would (at call time: the package's own
 # ``__init__`` imports them).
-FOUNDATION = {"dtorch.config", "dtorch.logs", "dtorch.placement", "dtorch.type", "dtorch.spec"}
+FOUNDATION = {"dtorch.config", "dtorch.logs", "dtorch.placement", "dtorch.type", "dtorch.spec",
+              "dtorch.blocks"}
 WIRE = FOUNDATION | {"dtorch.protocol", "dtorch.mesh"}
 LAYERS = {
     # values every role shares: no sockets, no processes, no torch state
@@ -73,6 +74,8 @@ LAYERS = {
     "dtorch.type": set(),
     "dtorch.memory_stats": set(),
     "dtorch.spec": {"dtorch.placement"},
+    # torch's side of the sharding math: cutting and joining blocks
+    "dtorch.blocks": {"dtorch.placement"},
     "dtorch.redistribute": {"dtorch.placement"},
     "dtorch.global_option": {"dtorch.config"},
     "dtorch.future": {"dtorch.logs"},
@@ -85,7 +88,7 @@ LAYERS = {
     "dtorch.tensor": {"dtorch.ops.registry", "dtorch.placement"},
     "dtorch.ops": WIRE | {"dtorch.current", "dtorch.tensor", "dtorch.ops.registry"},
     # the runtime's helpers that the subsystems' kernels use (public names)
-    "dtorch.runtime.collectives": {"dtorch.placement", "dtorch.spec"},
+    "dtorch.runtime.collectives": {"dtorch.blocks", "dtorch.placement", "dtorch.spec"},
     "dtorch.runtime.cpu_memory": set(),
     # the public Graph (its memory fronts are kernels of cuda/)
     "dtorch.graph": {"dtorch.cuda.memory_kernels", "dtorch.current", "dtorch.future",

@@ -3,14 +3,16 @@
 Hosts send the block of every device whose coordinate is 0 on the Replicate mesh dims. Mesh dims
 are undone from the last to the first (the reverse of the order they shard in): a Shard dim
 concatenates its blocks, a Partial dim reduces them, so nested layouts such as ``[S(0), S(0)]``
-or ``[S(0), P]`` come out right.
+or ``[S(0), P]`` come out right. A sub-split Shard joins its blocks' pieces in the order of
+their positions (``blocks.join``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+from ..blocks import join
+from ..placement import Partial, Replicate, Shard, local_pieces
 
 
 def piece_count(spec) -> int:
@@ -52,7 +54,9 @@ def assemble(spec, pieces: dict) -> torch.Tensor:
         merged = {}
         for rest, members in groups.items():
             members = [b for _, b in sorted(members, key=lambda m: m[0])]
-            if isinstance(p, Shard):
+            if isinstance(p, Shard) and p.sub_split is not None:
+                value = join(members, p.dim, _member_pieces(spec, i, rest))
+            elif isinstance(p, Shard):
                 value = torch.cat(members, dim=p.dim)
             elif isinstance(p, Partial):
                 value = _reduce(p.reduce_op, members)
@@ -62,3 +66,14 @@ def assemble(spec, pieces: dict) -> torch.Tensor:
         blocks = merged
     (value,) = blocks.values()
     return value
+
+
+def _member_pieces(spec, mesh_dim: int, rest: tuple) -> list:
+    """The pieces along the sharded dim of each member's block while ``mesh_dim`` is joined (the
+    later mesh dims are joined already: Replicate)."""
+    n = len(spec.mesh.shape)
+    placements = spec.placements[:mesh_dim + 1] + (Replicate(),) * (n - mesh_dim - 1)
+    dim = spec.placements[mesh_dim].dim
+    return [local_pieces(spec.shape, spec.mesh.shape, placements,
+                         rest[:mesh_dim] + (j,) + rest[mesh_dim:])[dim]
+            for j in range(spec.mesh.shape[mesh_dim])]

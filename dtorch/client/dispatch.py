@@ -25,7 +25,7 @@ from ..current import current_graph, per_thread
 from ..mesh import DeviceMesh
 from ..ops.creation import PY_DTYPES
 from ..ops.registry import INPLACE, freeze, lookup
-from ..ops.rules import Call, inplace_error
+from ..ops.rules import Call, check_sub_splits, inplace_error
 from ..placement import Replicate, normalize_placements
 from ..spec import intern_spec
 from ..tensor import Tensor, symbol
@@ -286,6 +286,8 @@ def bind(s, op, operands, static) -> Bound:
     inputs = tuple(o._spec if isinstance(o, Tensor) else type(o) for o in operands)
     call = Call(op, inputs, kw, outs, mesh)
     placed = op.placement(call)
+    if not op.sub_splits:
+        check_sub_splits(call, placed)
     held = outs
     if placed.accumulate is not None:  # the kernel computes in it; ``post`` casts back
         kw = {**kw, "dtype": placed.accumulate}
@@ -360,8 +362,9 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
     if mesh.device_type != spec.mesh.device_type:
         raise NotImplementedError("moving a tensor between device types is not supported yet")
     placements = normalize_placements(placements, len(mesh.shape), len(spec.shape))
-    if mesh == spec.mesh and placements == spec.placements:
+    dst = intern_spec(spec.shape, spec.dtype, mesh, placements)  # (S on one device is R)
+    if dst is spec:
         return t
     s = _session.current()
-    b = bind_redistribute(s, spec, intern_spec(spec.shape, spec.dtype, mesh, placements))
+    b = bind_redistribute(s, spec, dst)
     return issue(s, b, (t,), s.site())

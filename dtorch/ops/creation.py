@@ -30,6 +30,7 @@ import torch
 
 from .. import current
 from .. import protocol as P
+from ..blocks import block_of
 from ..mesh import DeviceMesh
 from ..placement import as_int, is_int, normalize_placements
 from ..tensor import Tensor
@@ -112,9 +113,8 @@ def check_size(op: str, sizes: tuple, keyword=None, dtype=None) -> tuple:
 
 
 def _block(ctx, full: torch.Tensor) -> torch.Tensor:
-    """This device's block of a full tensor."""
-    index = tuple(slice(o, o + n) for o, n in zip(ctx.out_offsets, ctx.out_local_shape))
-    return full[index].clone() if full.dim() else full.clone()
+    """This device's block of a full tensor (its pieces, for a sub-split dim)."""
+    return block_of(full, ctx.out_specs[0].local_pieces(ctx.out_coord)).clone()
 
 
 def factory(make):

@@ -102,7 +102,8 @@ def reduction_rule(call) -> Placed:
             outs.append(Replicate() if n == 1 else Partial(made))
             post.append(Replicate())
         elif isinstance(p, Shard) and p.dim not in dims:
-            outs.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims)))
+            outs.append(Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims),
+                              p.sub_split))
             post.append(outs[-1])
         elif isinstance(p, Shard) or isinstance(p, Partial) and p not in passes:
             bad.append((i, (p,)))

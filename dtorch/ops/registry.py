@@ -50,6 +50,9 @@ class OpDef:
     # a COMM kernel whose collectives are ``ops/exchange.py``'s, so that torch's autograd of it
     # is its gradient; its VJP then runs as a COMM kernel too (otherwise it has no gradient)
     comm_grad: bool = False
+    # its placement rule makes or cuts sub-split Shards itself (cat, the segment cuts): the
+    # client's check that every other rule keeps them (``rules.check_sub_splits``) skips it
+    sub_splits: bool = False
     # filled from the signature
     params: list = field(default_factory=list)
     static_names: tuple = ()

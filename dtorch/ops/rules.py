@@ -7,6 +7,15 @@ always present, and a miss raises a ``ValueError`` that names the ``redistribute
 The few automatic redistributions are declared by the rule, not special-cased by the client:
 ``auto_chunk`` rows let a Replicate input be chunked locally to the Shard a row asks for (cheap:
 no communication), and reductions ask for their Partial outputs to be reduced (``post``).
+
+Sub-split Shards (``Shard(d, sub_split=...)``, what ``cat`` along a sharded dim makes) match the
+rows written for plain Shards: a row that shards a dim alike in its inputs and outputs treats
+each position of the dim on its own (an elementwise op, a contraction, a move of other dims), so
+it holds for any assignment of positions to devices, and the sub-split passes to the outputs
+(``_carry_sub_split``). It must then be the same sub-split in every sharded operand, of the
+same extent in every output: a reshape that merges the dim, or a plain Shard beside a sub-split
+one, finds no row. ``check_sub_splits`` holds every rule to that: a sub-split never silently
+becomes a plain Shard (the elements would be read in the wrong places).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..placement import REDUCE_OPS, Partial, Replicate, Shard, placements_str
+from ..placement import REDUCE_OPS, Partial, Replicate, Shard, placements_str, plain
 
 R = Replicate()
 LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))  # f(sum x_i) = sum f(x_i) holds for both
@@ -96,6 +105,8 @@ def expand(call: Call, rows, *, auto_chunk: bool = False) -> Placed:
         got = table.get(ins)
         if got is None and auto_chunk:
             ins, got = _auto_chunk(table, ins)
+        if got is None and any(_sub_split(p) for p in ins):
+            ins, got = _carry_sub_split(call, table, ins, auto_chunk)
         if got is None:
             missing.append((i, ins))
             continue
@@ -116,6 +127,62 @@ def _auto_chunk(table, ins):
         if all(a == b or (a == R and isinstance(b, Shard)) for a, b in zip(ins, row_ins)):
             return row_ins, row_outs
     return ins, None
+
+
+def _sub_split(p):
+    return p.sub_split if isinstance(p, Shard) else None
+
+
+def _carry_sub_split(call, table, ins, auto_chunk):
+    """The row a mesh dim's sub-split inputs match as plain Shards, with the sub-split put back
+    on its sharded inputs (a Replicate one chunked to it) and outputs; None where the row does
+    not keep the dim (see the module docstring)."""
+    splits = {_sub_split(p) for p in ins} - {None}
+    if len(splits) > 1:
+        return ins, None
+    (split,) = splits
+    extent = sum(split)
+    plain_ins = tuple(map(plain, ins))
+    row_ins, got = plain_ins, table.get(plain_ins)
+    if got is None and auto_chunk:
+        row_ins, got = _auto_chunk(table, plain_ins)
+    if got is None:
+        return ins, None
+    sharded = [(p, q, s) for p, q, s in zip(ins, row_ins, call.tensors) if isinstance(q, Shard)]
+    if any((_sub_split(p) != split and p != R) or s.shape[q.dim] != extent
+           for p, q, s in sharded):
+        return ins, None  # a plain Shard beside the sub-split, or a dim of another extent
+    shapes = [shape for shape, _ in call.outs]
+    if any(isinstance(q, Shard) and shape[q.dim] != extent for q, shape in zip(got, shapes)):
+        return ins, None
+    keep = lambda q: Shard(q.dim, split) if isinstance(q, Shard) else q  # noqa: E731
+    return tuple(map(keep, row_ins)), tuple(map(keep, got))
+
+
+def check_sub_splits(call: Call, placed: Placed) -> None:
+    """Refuses a rule result that loses a sub-split: on a mesh dim where an operand is a
+    sub-split Shard, every Shard output must carry that sub-split. (Ops whose rules make and
+    cut sub-splits themselves, ``OpDef.sub_splits``, are not checked.)"""
+    specs = call.tensors
+    pre = placed.pre or (None,) * len(specs)
+    for i in range(len(call.mesh.shape)):
+        ins = [(p or s.placements)[i] for p, s in zip(pre, specs)]
+        splits = {_sub_split(p) for p in ins} - {None}
+        if not splits:
+            continue
+        outs = [o[i] for o in placed.outs]
+        if len(splits) == 1 and all(_sub_split(o) in splits for o in outs
+                                    if isinstance(o, Shard)):
+            continue
+        names = operand_names(call)
+        got = ", ".join(f"{n}={p}" for n, p in zip(names, ins))
+        todo = "; ".join(
+            f"{n} = {n}.redistribute(placements={[plain(q) for q in s.placements]!r})"
+            for n, s, p in zip(names, specs, ins) if _sub_split(p))
+        raise ValueError(
+            f"dtorch.{call.op.name}: mesh dim {i} holds a sub-split Shard ({got}), whose "
+            f"elements this operator cannot follow (it would read them as a plain Shard's). "
+            f"Redistribute to a plain Shard first, e.g. {todo}")
 
 
 def operand_names(call: Call) -> list:

@@ -74,10 +74,11 @@ def reshape_rule(call) -> Placed:
     outs, bad = [], []
     for i, p in enumerate(spec.placements):
         if isinstance(p, Shard):
-            if p.dim not in dim_map:
+            # a sub-split passes only to an output dim that is the same dim (same size)
+            if p.dim not in dim_map or p.sub_split and a[p.dim] != b[dim_map[p.dim]]:
                 bad.append((i, (p,)))
                 continue
-            p = Shard(dim_map[p.dim])
+            p = Shard(dim_map[p.dim], p.sub_split)
         outs.append(p)
     if bad:
         raise placement_error(call, {(R,): None}, bad)
@@ -413,7 +414,10 @@ for _name in ("tril", "triu"):
 
 def cat_rule(call) -> Placed:
     """Inputs share a placement; a shard of a dim other than the joined one stays (stack inserts
-    a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass."""
+    a dim, shifting the ones after it). Joining combines no elements, so equal Partials pass.
+    Inputs all sharded along the joined dim give a sub-split Shard: each device joins its
+    blocks of the inputs, which are its pieces of the inputs' segments (an input is one segment
+    or, sub-split itself, its own), with no communication."""
     specs = call.tensors
     ndim = len(specs[0].shape)
     dim = call.static.get("dim", 0)
@@ -425,10 +429,22 @@ def cat_rule(call) -> Placed:
             out = d + 1 if stacking and d >= dim else d
             rows.append(((Shard(out),), (Shard(d),) * len(specs)))
     rows += [((p,), (p,) * len(specs)) for p in ALL_PARTIALS]
+    if not stacking:
+        segments = sum((_segments(s, dim) for s in specs), ())
+        for i in range(len(call.mesh.shape)):
+            ins = tuple(s.placements[i] for s in specs)
+            if all(p.is_shard(dim) for p in ins):
+                rows.append(((Shard(dim, segments),), ins))
     return expand(call, rows)
 
 
+def _segments(spec, dim: int) -> tuple:
+    """The segments of ``spec``'s dim ``dim``: its sub-split's, or the whole dim."""
+    split = next((p.sub_split for p in spec.placements if p.is_shard(dim)), None)
+    return split or (spec.shape[dim],)
+
+
 register(OpDef("cat", "cat(tensors: TensorList, dim=0)", lambda *ts, dim=0: torch.cat(ts, dim),
-               cat_rule, aliases=("concat", "concatenate")))
+               cat_rule, aliases=("concat", "concatenate"), sub_splits=True))
 register(OpDef("stack", "stack(tensors: TensorList, dim=0)",
                lambda *ts, dim=0: torch.stack(ts, dim), cat_rule))

@@ -24,6 +24,7 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
+from ..blocks import cut_pieces, join
 from ..placement import chunk_range, chunk_sizes
 from ..spec import coordinate_of, device_at
 
@@ -54,6 +55,8 @@ def all_gather(ctx, x, mesh_dim):
     """S(d) -> R over one mesh dim."""
     d = ctx.in_specs[0].placements[mesh_dim].dim
     pg, _ = ctx.group(mesh_dim)
+    if ctx.in_specs[0].placements[mesh_dim].sub_split is not None:
+        return _all_gather_pieces(ctx, x, mesh_dim, pg)
     sizes = chunk_sizes(ctx.out_local_shape[d], pg.size())
     padded = _pad(x, d, sizes[0])
     if sizes[0] == sizes[-1] > 0 and all(n == 1 for n in x.shape[:d]):
@@ -65,6 +68,20 @@ def all_gather(ctx, x, mesh_dim):
     outs = [torch.empty_like(padded) for _ in sizes]
     pg.allgather([[wire(o) for o in outs]], [wire(padded)]).wait()
     return torch.cat([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d)
+
+
+def _all_gather_pieces(ctx, x, mesh_dim, pg):
+    """A sub-split S(d) -> R: the members' blocks (padded to the largest), joined by the
+    positions of their pieces."""
+    spec = ctx.in_specs[0]
+    d = spec.placements[mesh_dim].dim
+    coords = [ctx.coord[:mesh_dim] + (j,) + ctx.coord[mesh_dim + 1:] for j in range(pg.size())]
+    pieces = [spec.local_pieces(c)[d] for c in coords]
+    sizes = [sum(n for _, n in p) for p in pieces]
+    padded = _pad(x, d, max(sizes))
+    outs = [torch.empty_like(padded) for _ in sizes]
+    pg.allgather([[wire(o) for o in outs]], [wire(padded)]).wait()
+    return join([o.narrow(d, 0, n) for o, n in zip(outs, sizes)], d, pieces)
 
 
 def all_reduce(ctx, x, mesh_dim):
@@ -155,9 +172,12 @@ def all_to_all(ctx, x, mesh_dim):
 
 def chunk(ctx, x, mesh_dim):
     """R -> S(d): keep this device's chunk (a copy, so the result owns its memory)."""
-    d = ctx.out_specs[0].placements[mesh_dim].dim
-    offset, length = chunk_range(x.shape[d], ctx.out_specs[0].mesh.shape[mesh_dim],
-                                 ctx.out_coord[mesh_dim])
+    src, dst = ctx.in_specs[0], ctx.out_specs[0]
+    d = dst.placements[mesh_dim].dim
+    if dst.placements[mesh_dim].sub_split is not None:  # its piece of every segment
+        return cut_pieces(x, d, src.local_pieces(ctx.coord)[d],
+                          dst.local_pieces(ctx.out_coord)[d]).clone()
+    offset, length = chunk_range(x.shape[d], dst.mesh.shape[mesh_dim], ctx.out_coord[mesh_dim])
     return x.narrow(d, offset, length).clone()
 
 
