@@ -168,8 +168,6 @@ def as_read_back(placements, mesh):
 SIZE_ONE_LAYOUTS = ["tp2-pp2-ulysses2", "dp2-ring2", "tp2-ring2", "dp2-tp2-pp2-ulysses2"]
 
 
-@pytest.mark.xfail(strict=True, reason="a Shard on a mesh dim of one device reads back as a "
-                                       "Shard, not normalized to Replicate")
 @pytest.mark.parametrize("layout", SIZE_ONE_LAYOUTS)
 def test_sequence_shard_on_a_dim_of_one_device(layout, gqa, tokens):
     """Token ids sharded along the sequence on every CP dim, one of them of size 1 (where the

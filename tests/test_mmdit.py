@@ -37,11 +37,10 @@ SUB_SPLIT = pytest.mark.xfail(strict=True, reason="cat of two tensors sharded al
                               "needs the sub-split Shard placement")
 
 
-def layout_params(concatenated_over=CP_DIMS):
-    """The layouts, those with a mesh dim in ``concatenated_over`` (where the block
-    concatenates tensors sharded along the cat dim) marked with what they need."""
+def layout_params():
+    """The layouts, those that shard the sequence marked with what they need."""
     return [pytest.param(name, marks=SUB_SPLIT)
-            if any(n in concatenated_over and size > 1 for n, size in zip(names, shape))
+            if any(n in CP_DIMS and size > 1 for n, size in zip(names, shape))
             else name for name, (shape, names) in LAYOUTS.items()]
 
 
@@ -146,7 +145,7 @@ def test_flux_double_block_equals_diffusers(layout):
     assert_equal_diffusers(got_context, want_context, mesh)
 
 
-@pytest.mark.parametrize("layout", layout_params((*CP_DIMS, "tp")))  # features on tp
+@pytest.mark.parametrize("layout", layout_params())
 def test_flux_single_block_equals_diffusers(layout):
     """One stream, the text and image tokens concatenated along the sequence first."""
     torch.manual_seed(3)
