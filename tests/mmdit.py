@@ -21,48 +21,53 @@ from dtorch.nn import functional as F
 EPS = 1e-6
 
 
-class AdaLayerNormZero(nn.Module):
-    """A layer norm shifted and scaled by the conditioning, with the gates of the residuals."""
+class AdaptiveLayerNorm(nn.Module):
+    """A layer norm without weights, shifted and scaled by ``CHUNKS`` projections of the
+    conditioning (the others are gates)."""
+
+    CHUNKS = 2
 
     def __init__(self, dim: int):
         super().__init__()
         self.silu = nn.SiLU()
-        self.linear = nn.ColumnParallelLinearWithReplicateOutput(dim, 6 * dim)
+        self.linear = nn.ColumnParallelLinearWithReplicateOutput(dim, self.CHUNKS * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
 
-    def forward(self, x, emb):
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = self.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+    def modulate(self, x, shift, scale):
+        return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+    def chunks(self, emb, dtype=None) -> tuple:
+        emb = self.silu(emb)
+        return self.linear(emb if dtype is None else emb.to(dtype)).chunk(self.CHUNKS, dim=1)
 
 
-class AdaLayerNormContinuous(nn.Module):
-    """The last block's context norm: shifted and scaled, no gates."""
+class AdaLayerNormZero(AdaptiveLayerNorm):
+    """With the gates of the attention's and the MLP's residuals, and the MLP's shift and
+    scale."""
 
-    def __init__(self, dim: int):
-        super().__init__()
-        self.silu = nn.SiLU()
-        self.linear = nn.ColumnParallelLinearWithReplicateOutput(dim, 2 * dim)
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+    CHUNKS = 6
 
     def forward(self, x, emb):
-        scale, shift = self.linear(self.silu(emb).to(x.dtype)).chunk(2, dim=1)
-        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.chunks(emb)
+        return self.modulate(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-class AdaLayerNormZeroSingle(nn.Module):
-    """Flux's single-stream norm: shifted and scaled, with the gate of the residual."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.silu = nn.SiLU()
-        self.linear = nn.ColumnParallelLinearWithReplicateOutput(dim, 3 * dim)
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+class AdaLayerNormContinuous(AdaptiveLayerNorm):
+    """SD3's last context norm: no gates."""
 
     def forward(self, x, emb):
-        shift, scale, gate = self.linear(self.silu(emb)).chunk(3, dim=1)
-        return self.norm(x) * (1 + scale[:, None]) + shift[:, None], gate
+        scale, shift = self.chunks(emb, x.dtype)
+        return self.modulate(x, shift, scale)
+
+
+class AdaLayerNormZeroSingle(AdaptiveLayerNorm):
+    """Flux's single-stream norm, with the gate of the residual."""
+
+    CHUNKS = 3
+
+    def forward(self, x, emb):
+        shift, scale, gate = self.chunks(emb)
+        return self.modulate(x, shift, scale), gate
 
 
 def apply_rotary_emb(x, freqs):

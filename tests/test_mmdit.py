@@ -29,12 +29,14 @@ LAYOUTS = {
     "ring2": ((2,), ["ring_cp"]),
     "tp2-ulysses2": ((2, 2), ["tp", "ulysess_cp"]),
     "dp2-ring2": ((2, 2), ["dp", "ring_cp"]),
-    "ulysses2-ring2": ((2, 2), ["ulysess_cp", "ring_cp"]),
+    "ulysses2-ring2": ((2, 2), ["ulysess_cp", "ring_cp"]),  # the text's blocks 2, 2, 1, 1
+    # SD3's four dims, two of one device (where the inputs' Shards are Replicate)
+    "sd3-mesh-tp2-ring2": ((1, 2, 1, 2), ["dp", "tp", "ulysess_cp", "ring_cp"]),
 }
 
 
-SUB_SPLIT = pytest.mark.xfail(strict=True, reason="cat of two tensors sharded along the cat dim "
-                              "needs the sub-split Shard placement")
+SUB_SPLIT = pytest.mark.xfail(strict=True, reason="Ulysses and Ring attention over a sub-split "
+                              "sequence (two sharded sequences concatenated)")
 
 
 def layout_params():
@@ -65,10 +67,11 @@ def inputs(seed=1):
             torch.randn(BATCH, DIM, generator=g))
 
 
-def placed(t, mesh, seq_dim=None):
-    """``t`` with the batch (dim 0) over ``dp`` and ``seq_dim`` over the CP dims."""
-    layout = [Shard(0) if name == "dp" and seq_dim != 0 else
-              Shard(seq_dim) if seq_dim is not None and name in CP_DIMS else Replicate()
+def placed(t, mesh, seq_dim=None, batch_dim=0):
+    """``t`` with ``batch_dim`` over ``dp`` and ``seq_dim`` over the CP dims (every one, as
+    DTorch's programs lay out their inputs, whatever its size)."""
+    layout = [Shard(batch_dim) if name == "dp" and batch_dim is not None else
+              Shard(seq_dim) if name in CP_DIMS and seq_dim is not None else Replicate()
               for name in mesh.dim_names]
     return dtorch.from_torch(t, device_mesh=mesh, placements=layout)
 
@@ -86,27 +89,6 @@ def assert_equal_diffusers(got, want, mesh):
     torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", layout_params())
-@pytest.mark.parametrize("context_pre_only,qk_norm", [(False, "rms_norm"), (True, None)],
-                         ids=["block", "last-block"])
-def test_sd3_joint_block_equals_diffusers(layout, context_pre_only, qk_norm):
-    torch.manual_seed(0)
-    ref = randomized(diffusers_attention.JointTransformerBlock(
-        DIM, HEADS, HEAD_DIM, context_pre_only=context_pre_only, qk_norm=qk_norm))
-    mesh = mesh_of(layout)
-    block = build(JointTransformerBlock, mesh, ref, context_pre_only, qk_norm)
-    hidden, context, temb = inputs()
-    with torch.no_grad():
-        want_context, want_hidden = ref(hidden, context, temb)
-    got_context, got_hidden = block(placed(hidden, mesh, 1), placed(context, mesh, 1),
-                                    placed(temb, mesh))
-    assert_equal_diffusers(got_hidden, want_hidden, mesh)
-    if context_pre_only:
-        assert got_context is None and want_context is None
-    else:
-        assert_equal_diffusers(got_context, want_context, mesh)
-
-
 def rope_tables():
     """Flux's ``(cos, sin)`` tables of the text positions (all 0) and of the image grid's."""
     pos_embed = diffusers_embeddings.FluxPosEmbed(theta=10000, axes_dim=[2, 2, 4])
@@ -121,7 +103,7 @@ def joint_rope(mesh):
     """The joint sequence's tables: the text's and the image's, each over the CP dims,
     concatenated (text first, as Flux orders the tokens)."""
     text, image = rope_tables()
-    return tuple(dtorch.cat([placed(a, mesh, 0), placed(b, mesh, 0)], dim=0)
+    return tuple(dtorch.cat([placed(a, mesh, 0, None), placed(b, mesh, 0, None)], dim=0)
                  for a, b in zip(text, image))
 
 
@@ -130,19 +112,42 @@ def torch_joint_rope():
     return tuple(torch.cat([a, b]) for a, b in zip(text, image))
 
 
+# kind: (diffusers' block, ours, our block's arguments after the sizes, whether it takes RoPE)
+DOUBLE_STREAM = {
+    "sd3": (lambda: diffusers_attention.JointTransformerBlock(DIM, HEADS, HEAD_DIM,
+                                                              qk_norm="rms_norm"),
+            JointTransformerBlock, (False, "rms_norm"), False),
+    "sd3-last": (lambda: diffusers_attention.JointTransformerBlock(DIM, HEADS, HEAD_DIM,
+                                                                   context_pre_only=True),
+                 JointTransformerBlock, (True, None), False),
+    "flux": (lambda: diffusers_flux.FluxTransformerBlock(DIM, HEADS, HEAD_DIM),
+             FluxTransformerBlock, (), True),
+}
+
+
 @pytest.mark.parametrize("layout", layout_params())
-def test_flux_double_block_equals_diffusers(layout):
-    torch.manual_seed(2)
-    ref = randomized(diffusers_flux.FluxTransformerBlock(DIM, HEADS, HEAD_DIM))
+@pytest.mark.parametrize("kind", list(DOUBLE_STREAM))
+def test_double_stream_block_equals_diffusers(kind, layout):
+    """Both streams through joint attention: SD3's block, its last block (which drops the text
+    stream) and Flux's."""
+    make_reference, cls, args, rope = DOUBLE_STREAM[kind]
+    torch.manual_seed(0)
+    ref = randomized(make_reference())
     mesh = mesh_of(layout)
-    block = build(FluxTransformerBlock, mesh, ref)
+    block = build(cls, mesh, ref, *args)
     hidden, context, temb = inputs()
     with torch.no_grad():
-        want_context, want_hidden = ref(hidden, context, temb, image_rotary_emb=torch_joint_rope())
+        want_context, want_hidden = ref(hidden, context, temb,
+                                        **({"image_rotary_emb": torch_joint_rope()} if rope
+                                           else {}))
     got_context, got_hidden = block(placed(hidden, mesh, 1), placed(context, mesh, 1),
-                                    placed(temb, mesh), image_rotary_emb=joint_rope(mesh))
+                                    placed(temb, mesh),
+                                    image_rotary_emb=joint_rope(mesh) if rope else None)
     assert_equal_diffusers(got_hidden, want_hidden, mesh)
-    assert_equal_diffusers(got_context, want_context, mesh)
+    if want_context is None:
+        assert got_context is None
+    else:
+        assert_equal_diffusers(got_context, want_context, mesh)
 
 
 @pytest.mark.parametrize("layout", layout_params())
