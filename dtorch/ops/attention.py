@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..placement import Replicate, Shard, chunk_sizes
 from ..type import ULYSSES_CP, SdpaOption
-from .context_parallel import all_to_all, ring_attention, sequence_pieces
+from .context_parallel import all_to_all, member_pieces, ring_attention, sequence_pieces
 from .registry import COMM, OpDef, issue, register
 from .rules import LINEAR_PARTIALS, Placed, expand
 
@@ -115,13 +115,16 @@ def cp_attention_rule(call) -> Placed:
     (and only there) gives the query's ``S(seq)``."""
     q, k, v = call.tensors
     cp = {call.static["ulysses_dim"], call.static["ring_dim"]} - {None}
-    seq = Shard(len(q.shape) - 2), Shard(len(k.shape) - 2), Shard(len(v.shape) - 2)
+    rows = _rows(call)
     for i in range(len(call.mesh.shape)):
-        if ((q.placements[i], k.placements[i], v.placements[i]) == seq) != (i in cp):
+        ins = q.placements[i], k.placements[i], v.placements[i]
+        if all(p.is_shard(len(s.shape) - 2) for p, s in zip(ins, call.tensors)) != (i in cp):
             raise ValueError(f"dtorch.scaled_dot_product_attention: query, key and value must be "
                              f"sharded along the sequence exactly on the context-parallel mesh "
                              f"dims {sorted(cp)}; mesh dim {i} is not")
-    placed = expand(call, _rows(call) + [((seq[0],), seq)])
+        if i in cp:  # the kernel reads every block's positions, sub-split ones too
+            rows.append(((ins[0],), ins))
+    placed = expand(call, rows)
     _check_head_blocks(call)
     return placed
 
@@ -188,8 +191,8 @@ def _cp_attention(ctx, query, key, value, is_causal=False, scale=None, enable_gq
         if key.shape[-3] % n:  # key heads that do not shard like the query's: one per query head
             key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
             value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
-        q_lens = [length for _, length in sequence_pieces(q_spec, coord, ulysses_dim)]
-        k_lens = [length for _, length in sequence_pieces(k_spec, coord, ulysses_dim)]
+        q_lens = [sum(n for _, n in m) for m in member_pieces(q_spec, coord, ulysses_dim)]
+        k_lens = [sum(n for _, n in m) for m in member_pieces(k_spec, coord, ulysses_dim)]
         query = all_to_all(ulysses, query, -3, [query.shape[-3] // n] * n, -2, q_lens)
         key = all_to_all(ulysses, key, -3, [key.shape[-3] // n] * n, -2, k_lens)
         value = all_to_all(ulysses, value, -3, [value.shape[-3] // n] * n, -2, k_lens)
@@ -266,7 +269,7 @@ def _cp_dim(query, dim):
         spellings = (dim, ULYSSES_CP, "ulysses_cp") if dim in (ULYSSES_CP, "ulysses_cp") \
             else (dim,)
         i = next((names.index(n) for n in spellings if n in names), None)
-    if i is None or mesh.shape[i] == 1 or query.placements[i] != Shard(query.ndim - 2):
+    if i is None or mesh.shape[i] == 1 or not query.placements[i].is_shard(query.ndim - 2):
         return None
     return i
 
@@ -293,14 +296,14 @@ def _check_cp(query, key, value, attn_mask, dropout_p, ulysses, ring) -> None:
                          f"on the query's mesh")
     for name, t in (("key", key), ("value", value)):
         seq = Shard(t.ndim - 2)
-        if any(t.placements[d] != seq for d in cp):
+        if not all(t.placements[d].is_shard(seq.dim) for d in cp):
             fix = [seq if i in cp else p for i, p in enumerate(t.placements)]
             raise ValueError(f"dtorch.scaled_dot_product_attention: {where}, so query, key and "
                              f"value must all be sharded along their sequence there; {name} "
                              f"is {list(t.placements)}. E.g. {name} = {name}.redistribute("
                              f"placements={fix!r})")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        other = [i for i, p in enumerate(t.placements) if p == Shard(t.ndim - 2) and i not in cp]
+        other = [i for i, p in enumerate(t.placements) if p.is_shard(t.ndim - 2) and i not in cp]
         if other:
             fix = [R if i in other else p for i, p in enumerate(t.placements)]
             raise ValueError(f"dtorch.scaled_dot_product_attention: {where}; {name}'s sequence "
@@ -336,4 +339,4 @@ register(OpDef("_context_parallel_attention",
                "_context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, "
                "is_causal=False, scale=None, enable_gqa=False, ulysses_dim=None, ring_dim=None)",
                _cp_attention, cp_attention_rule, meta=_cp_meta, uses_context=True, flags=COMM,
-               comm_dims=_cp_comm_dims, comm_grad=True, function=False))
+               comm_dims=_cp_comm_dims, comm_grad=True, function=False, sub_splits=True))

@@ -27,16 +27,19 @@ from .exchange import exchange
 
 def sequence_pieces(spec, coord: tuple, ulysses_dim) -> list:
     """(first position, length) along the sequence of each piece a device holds, in order: its
-    own block, or with Ulysses its group's blocks, gathered in rank order."""
+    own block, or with Ulysses its group's blocks, gathered in rank order. A block is one piece,
+    or one per segment of a sub-split sequence."""
+    return [piece for member in member_pieces(spec, coord, ulysses_dim) for piece in member]
+
+
+def member_pieces(spec, coord: tuple, ulysses_dim) -> list:
+    """The sequence pieces of each block ``sequence_pieces`` joins: this device's, or those of
+    its Ulysses group's members in rank order."""
     seq = len(spec.shape) - 2
     coords = [coord] if ulysses_dim is None else [
         coord[:ulysses_dim] + (j,) + coord[ulysses_dim + 1:]
         for j in range(spec.mesh.shape[ulysses_dim])]
-    pieces = []
-    for c in coords:
-        shape, offsets = spec.local_region(c)
-        pieces.append((offsets[seq], shape[seq]))
-    return pieces
+    return [spec.local_pieces(c)[seq] for c in coords]
 
 
 def all_to_all(pg, x, split_dim: int, split_sizes: list, cat_dim: int, cat_sizes: list):

@@ -38,6 +38,7 @@ from ..tensor import Tensor
 from .creation import from_torch
 from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand
+from .segments import cut_slice
 
 R = Replicate()
 TENSOR, ELLIPSIS = "T", "..."
@@ -167,6 +168,9 @@ _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 def getitem(self: Tensor, index) -> Tensor:
+    segments = cut_slice(self, index)  # whole segments of a sub-split dim: a local cut
+    if segments is not None:
+        return segments
     items, tensors = index_operands(self, index)
     return issue("getitem", (self, *tensors), (items,))
 

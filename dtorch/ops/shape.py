@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..placement import Placement, Replicate, Shard, normalize_placements, placements_str
+from ..placement import Placement, Replicate, Shard, is_int, normalize_placements, placements_str
 from .creation import size_arg
+from .segments import cut_segments, sub_split_of, torch_split_sizes
 from .registry import VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, Placed, expand, placement_error
 
@@ -282,9 +283,23 @@ register(OpDef("narrow", "narrow(input: Tensor, dim, start, length)", torch.narr
 # split, chunk and unbind cut one dim into several results: along any other dim each piece's
 # block is the local block's piece (the cut dim is whole on every device, so each device cuts it
 # into as many pieces, of torch's sizes). unbind removes its dim, renumbering the ones after it.
+def split(tensor, split_size_or_sections, dim=0):
+    """``torch.split``; along a sub-split dim, parts that line up with its segments are cut
+    locally (``ops/segments.py``)."""
+    if is_int(dim) and tensor.ndim and sub_split_of(tensor, dim % tensor.ndim):
+        try:
+            sizes = torch_split_sizes(tensor.shape, dim, split_size_or_sections)
+        except (RuntimeError, TypeError, ValueError):
+            sizes = None  # torch's own error, from the operator below
+        parts = sizes and cut_segments(tensor, dim, sizes)
+        if parts:
+            return parts
+    return _as_tuple(issue("split", (tensor,), (split_size_or_sections, dim)))
+
+
 register(OpDef("split", "split(tensor: Tensor, split_size_or_sections, dim=0)",
                _parts(torch.split), moving_rule(_at("dim")), meta=torch.split,
-               methods=("split",), flags=VIEW, result=_as_tuple))
+               methods=("split",), flags=VIEW, result=_as_tuple, front=split))
 
 
 def chunk(input, chunks=None, dim=0, *, chunk=None):
@@ -302,6 +317,10 @@ def chunk(input, chunks=None, dim=0, *, chunk=None):
     chunks = chunk if chunks is None else chunks
     if chunks is None:
         raise TypeError("chunk() missing required argument 'chunks' (pos 1)")
+    if is_int(chunks) and is_int(dim) and chunks > 0 and sub_split_of(input, dim % input.ndim):
+        parts = cut_segments(input, dim, torch_split_sizes(input.shape, dim, chunks, True))
+        if parts is not None:
+            return parts
     return _as_tuple(issue("chunk", (input,), (chunks, dim)))
 
 
