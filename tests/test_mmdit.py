@@ -35,17 +35,6 @@ LAYOUTS = {
 }
 
 
-SUB_SPLIT = pytest.mark.xfail(strict=True, reason="Ulysses and Ring attention over a sub-split "
-                              "sequence (two sharded sequences concatenated)")
-
-
-def layout_params():
-    """The layouts, those that shard the sequence marked with what they need."""
-    return [pytest.param(name, marks=SUB_SPLIT)
-            if any(n in CP_DIMS and size > 1 for n, size in zip(names, shape))
-            else name for name, (shape, names) in LAYOUTS.items()]
-
-
 def mesh_of(layout):
     shape, names = LAYOUTS[layout]
     return dtorch.init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -125,7 +114,7 @@ DOUBLE_STREAM = {
 }
 
 
-@pytest.mark.parametrize("layout", layout_params())
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", list(DOUBLE_STREAM))
 def test_double_stream_block_equals_diffusers(kind, layout):
     """Both streams through joint attention: SD3's block, its last block (which drops the text
@@ -150,7 +139,7 @@ def test_double_stream_block_equals_diffusers(kind, layout):
         assert_equal_diffusers(got_context, want_context, mesh)
 
 
-@pytest.mark.parametrize("layout", layout_params())
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_flux_single_block_equals_diffusers(layout):
     """One stream, the text and image tokens concatenated along the sequence first."""
     torch.manual_seed(3)
@@ -161,6 +150,12 @@ def test_flux_single_block_equals_diffusers(layout):
     with torch.no_grad():
         want = ref(torch.cat([context, hidden], dim=1), temb, image_rotary_emb=torch_joint_rope())
     joint = dtorch.cat([placed(context, mesh, 1), placed(hidden, mesh, 1)], dim=1)
-    got = block(joint, placed(temb, mesh), image_rotary_emb=joint_rope(mesh))
+    rope = joint_rope(mesh)
+    # on a CP dim each device holds its block of the text, then its block of the image
+    for i, p in enumerate(placed(hidden, mesh, 1).placements):
+        if p.is_shard(1):
+            assert joint.placements[i] == Shard(1, sub_split=(TEXT_LEN, IMAGE_LEN))
+            assert rope[0].placements[i] == Shard(0, sub_split=(TEXT_LEN, IMAGE_LEN))
+    got = block(joint, placed(temb, mesh), image_rotary_emb=rope)
     assert got.placements == joint.placements
     torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
