@@ -3,7 +3,7 @@ diffusers' SD3 ``JointTransformerBlock`` and Flux's ``FluxTransformerBlock`` and
 ``FluxSingleTransformerBlock`` with the same random weights, on one device, tensor and data
 parallel meshes, and with the sequence of both streams split over Ulysses and Ring context
 parallelism, where joint attention concatenates two sharded sequences (and Flux its RoPE
-tables)."""
+tables): the outputs, and the gradients of the double-stream blocks."""
 
 import pytest
 import torch
@@ -72,10 +72,15 @@ def build(cls, mesh, reference, *args):
     return block
 
 
-def assert_equal_diffusers(got, want, mesh):
-    """Same values, laid out as the block's input: batch over dp, sequence over CP."""
-    assert got.placements == placed(want, mesh, 1).placements
-    torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
+def assert_equal_diffusers(got, want, mesh, placements=None, atol=1e-4, rtol=1e-4):
+    """Same values (bit for bit on one device: the same kernels in the same order), laid out
+    as the block's input (batch over dp, sequence over CP) unless ``placements`` says how."""
+    assert got.placements == (placed(want, mesh, 1).placements if placements is None
+                              else placements)
+    if mesh.size() == 1:
+        assert torch.equal(got.to_torch(), want)
+    else:
+        torch.testing.assert_close(got.to_torch(), want, atol=atol, rtol=rtol)
 
 
 def rope_tables():
@@ -114,29 +119,54 @@ DOUBLE_STREAM = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kind", list(DOUBLE_STREAM))
-def test_double_stream_block_equals_diffusers(kind, layout):
-    """Both streams through joint attention: SD3's block, its last block (which drops the text
-    stream) and Flux's."""
+def run_double_stream(kind, layout):
+    """diffusers' block and ours, loaded alike, on the same inputs: (reference, ours,
+    diffusers' outputs, ours), each ``(encoder_hidden_states, hidden_states)``."""
     make_reference, cls, args, rope = DOUBLE_STREAM[kind]
     torch.manual_seed(0)
     ref = randomized(make_reference())
     mesh = mesh_of(layout)
     block = build(cls, mesh, ref, *args)
     hidden, context, temb = inputs()
-    with torch.no_grad():
-        want_context, want_hidden = ref(hidden, context, temb,
-                                        **({"image_rotary_emb": torch_joint_rope()} if rope
-                                           else {}))
-    got_context, got_hidden = block(placed(hidden, mesh, 1), placed(context, mesh, 1),
-                                    placed(temb, mesh),
-                                    image_rotary_emb=joint_rope(mesh) if rope else None)
-    assert_equal_diffusers(got_hidden, want_hidden, mesh)
+    want = ref(hidden, context, temb, **({"image_rotary_emb": torch_joint_rope()} if rope
+                                         else {}))
+    got = block(placed(hidden, mesh, 1), placed(context, mesh, 1), placed(temb, mesh),
+                image_rotary_emb=joint_rope(mesh) if rope else None)
+    return ref, block, want, got
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", list(DOUBLE_STREAM))
+def test_double_stream_block_equals_diffusers(kind, layout):
+    """Both streams through joint attention: SD3's block, its last block (which drops the text
+    stream) and Flux's."""
+    _, block, (want_context, want_hidden), (got_context, got_hidden) = run_double_stream(
+        kind, layout)
+    mesh = block.norm1.linear.weight.device_mesh
+    assert_equal_diffusers(got_hidden, want_hidden.detach(), mesh)
     if want_context is None:
         assert got_context is None
     else:
-        assert_equal_diffusers(got_context, want_context, mesh)
+        assert_equal_diffusers(got_context, want_context.detach(), mesh)
+
+
+def squares(context, hidden):
+    return context.square().mean() + hidden.square().mean()
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2", "dp2-tp2", "ulysses2", "ring2",
+                                    "ulysses2-ring2"])
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_double_stream_block_gradients_equal_diffusers(kind, layout):
+    """The backward of joint attention (the sub-split concatenation, the context-parallel
+    attention over it and the slices back): every parameter's gradient equals diffusers'."""
+    ref, block, want, got = run_double_stream(kind, layout)
+    squares(*want).backward()
+    squares(*got).backward()
+    grads = dict(ref.named_parameters())
+    for name, p in block.named_parameters():
+        assert_equal_diffusers(p.grad, grads[name].grad, p.device_mesh, p.placements,
+                               atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -157,5 +187,4 @@ def test_flux_single_block_equals_diffusers(layout):
             assert joint.placements[i] == Shard(1, sub_split=(TEXT_LEN, IMAGE_LEN))
             assert rope[0].placements[i] == Shard(0, sub_split=(TEXT_LEN, IMAGE_LEN))
     got = block(joint, placed(temb, mesh), image_rotary_emb=rope)
-    assert got.placements == joint.placements
-    torch.testing.assert_close(got.to_torch(), want, atol=1e-4, rtol=1e-4)
+    assert_equal_diffusers(got, want, mesh, joint.placements)
