@@ -34,11 +34,15 @@ class AdaptiveLayerNorm(nn.Module):
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
 
     def modulate(self, x, shift, scale):
-        return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+        return modulated(self.norm(x), shift, scale)
 
     def chunks(self, emb, dtype=None) -> tuple:
         emb = self.silu(emb)
         return self.linear(emb if dtype is None else emb.to(dtype)).chunk(self.CHUNKS, dim=1)
+
+
+def modulated(normed, shift, scale):
+    return normed * (1 + scale[:, None]) + shift[:, None]
 
 
 class AdaLayerNormZero(AdaptiveLayerNorm):
@@ -50,6 +54,20 @@ class AdaLayerNormZero(AdaptiveLayerNorm):
     def forward(self, x, emb):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.chunks(emb)
         return self.modulate(x, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class SD35AdaLayerNormZeroX(AdaLayerNormZero):
+    """SD3.5's, for a block with a second attention over the image tokens: a second
+    modulation of the same norm, and its gate."""
+
+    CHUNKS = 9
+
+    def forward(self, x, emb):
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2,
+         gate_msa2) = self.chunks(emb)
+        normed = self.norm(x)
+        return (modulated(normed, shift_msa, scale_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp,
+                modulated(normed, shift_msa2, scale_msa2), gate_msa2)
 
 
 class AdaLayerNormContinuous(AdaptiveLayerNorm):
@@ -94,9 +112,8 @@ class Attention(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.to_q, self.to_k, self.to_v = (nn.ColumnParallelLinear(dim, inner) for _ in "qkv")
         self.norm_q, self.norm_k = _rms_norm(qk_norm, head_dim), _rms_norm(qk_norm, head_dim)
-        if not pre_only:
-            self.to_out = nn.ModuleList([nn.RowParallelLinearWithReplicateOutput(inner, dim),
-                                         nn.Dropout(0.0)])
+        self.to_out = None if pre_only else nn.ModuleList(
+            [nn.RowParallelLinearWithReplicateOutput(inner, dim), nn.Dropout(0.0)])
 
     def _heads(self, x, proj, norm):
         """``[b, s, dim]`` -> ``[b, heads, s, head_dim]``, normalised per head."""
@@ -116,7 +133,8 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(q.shape[0], -1, self.heads * self.head_dim)
 
     def forward(self, hidden_states, image_rotary_emb=None):
-        return self.attend(*self.project(hidden_states), image_rotary_emb)
+        out = self.attend(*self.project(hidden_states), image_rotary_emb)
+        return out if self.to_out is None else self.to_out[1](self.to_out[0](out))
 
 
 class JointAttention(Attention):
@@ -178,21 +196,25 @@ class FeedForward(nn.Module):
 
 
 class JointTransformerBlock(nn.Module):
-    """``diffusers.models.attention.JointTransformerBlock`` (without SD3.5's dual attention):
-    ``(encoder_hidden_states, hidden_states)`` from both streams and the conditioning ``temb``;
-    the last block of a model (``context_pre_only``) returns no text stream."""
+    """``diffusers.models.attention.JointTransformerBlock``: ``(encoder_hidden_states,
+    hidden_states)`` from both streams and the conditioning ``temb``. The last block of a model
+    (``context_pre_only``) returns no text stream; SD3.5's ``use_dual_attention`` adds a second
+    attention over the image tokens alone."""
 
     TEXT_FIRST = False
 
     def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int,
-                 context_pre_only: bool = False, qk_norm: str | None = None):
+                 context_pre_only: bool = False, qk_norm: str | None = None,
+                 use_dual_attention: bool = False):
         super().__init__()
         self.context_pre_only = context_pre_only
-        self.norm1 = AdaLayerNormZero(dim)
+        self.norm1 = SD35AdaLayerNormZeroX(dim) if use_dual_attention else AdaLayerNormZero(dim)
         self.norm1_context = (AdaLayerNormContinuous(dim) if context_pre_only
                               else AdaLayerNormZero(dim))
         self.attn = JointAttention(dim, num_attention_heads, attention_head_dim,
                                    context_pre_only, qk_norm, self.TEXT_FIRST)
+        self.attn2 = (Attention(dim, num_attention_heads, attention_head_dim, qk_norm)
+                      if use_dual_attention else None)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
         self.ff = FeedForward(dim)
         if not context_pre_only:
@@ -200,7 +222,8 @@ class JointTransformerBlock(nn.Module):
             self.ff_context = FeedForward(dim)
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None):
-        norm_hidden, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, temb)
+        norm_hidden, gate_msa, shift_mlp, scale_mlp, gate_mlp, *second = self.norm1(
+            hidden_states, temb)
         if self.context_pre_only:
             norm_context = self.norm1_context(encoder_hidden_states, temb)
         else:
@@ -210,15 +233,18 @@ class JointTransformerBlock(nn.Module):
                                                      image_rotary_emb)
 
         hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
-        norm_hidden = self.norm2(hidden_states) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        if self.attn2 is not None:
+            norm_hidden2, gate_msa2 = second
+            hidden_states = hidden_states + gate_msa2.unsqueeze(1) * self.attn2(norm_hidden2)
+        norm_hidden = modulated(self.norm2(hidden_states), shift_mlp, scale_mlp)
         hidden_states = hidden_states + gate_mlp.unsqueeze(1) * self.ff(norm_hidden)
         if self.context_pre_only:
             return None, hidden_states
 
         encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * \
             context_attn_output
-        norm_context = (self.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp[:, None])
-                        + c_shift_mlp[:, None])
+        norm_context = modulated(self.norm2_context(encoder_hidden_states), c_shift_mlp,
+                                 c_scale_mlp)
         encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * \
             self.ff_context(norm_context)
         return encoder_hidden_states, hidden_states

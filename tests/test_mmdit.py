@@ -114,6 +114,9 @@ DOUBLE_STREAM = {
     "sd3-last": (lambda: diffusers_attention.JointTransformerBlock(DIM, HEADS, HEAD_DIM,
                                                                    context_pre_only=True),
                  JointTransformerBlock, (True, None), False),
+    "sd35-dual": (lambda: diffusers_attention.JointTransformerBlock(
+        DIM, HEADS, HEAD_DIM, qk_norm="rms_norm", use_dual_attention=True),
+        JointTransformerBlock, (False, "rms_norm", True), False),
     "flux": (lambda: diffusers_flux.FluxTransformerBlock(DIM, HEADS, HEAD_DIM),
              FluxTransformerBlock, (), True),
 }
@@ -139,7 +142,7 @@ def run_double_stream(kind, layout):
 @pytest.mark.parametrize("kind", list(DOUBLE_STREAM))
 def test_double_stream_block_equals_diffusers(kind, layout):
     """Both streams through joint attention: SD3's block, its last block (which drops the text
-    stream) and Flux's."""
+    stream), SD3.5's with a second attention over the image tokens, and Flux's."""
     _, block, (want_context, want_hidden), (got_context, got_hidden) = run_double_stream(
         kind, layout)
     mesh = block.norm1.linear.weight.device_mesh
