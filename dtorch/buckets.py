@@ -153,8 +153,10 @@ def gathered_rule(call) -> Placed:
     mesh_dim = call.static["mesh_dim"]
     outs = []
     for k, t in enumerate(call.tensors):
-        if t.mesh != call.mesh or not t.placements[mesh_dim].is_shard():
-            raise _misplaced(call, k, t, f"Shard on mesh dim {mesh_dim}")
+        p = t.placements[mesh_dim]
+        if t.mesh != call.mesh or not p.is_shard() or p.has_sub_split_coordinates():
+            # (a sub-split one gathers through redistribute, which joins its pieces)
+            raise _misplaced(call, k, t, f"a plain (not sub-split) Shard on mesh dim {mesh_dim}")
         _check_sharded_dim(call, k, t, t.placements[mesh_dim].dim)
         outs.append(tuple(R if i == mesh_dim else p for i, p in enumerate(t.placements)))
     return Placed(tuple(outs))

@@ -182,7 +182,8 @@ def distribute(t: torch.Tensor, mesh, placements, seed: int = 0) -> dtorch.Tenso
         stacked = parts.movedim(0, lead)
     lead = len(partial_dims)
     layout = [Shard(partial_dims.index(i)) if p.is_partial() else
-              Shard(p.dim + lead) if p.is_shard() else p for i, p in enumerate(placements)]
+              Shard(p.dim + lead, p.sub_split) if p.is_shard() else p
+              for i, p in enumerate(placements)]
     x = dtorch.from_torch(stacked.contiguous(), device_mesh=mesh, placements=layout)
     return dtorch.local_map(torch.squeeze, placements)(x, tuple(range(lead)))
 

@@ -78,8 +78,12 @@ PLACEMENTS = {
             "mask": [Shard(0)]},
     "tp4": {"a.w": [Shard(1)], "a.b": [Shard(0)], "b.w": [Shard(0)], "c.v": [Partial()],
             "mask": [Shard(0)]},
+    # sub-split Shards (what cat along a sharded dim makes): saved as plain ones, loaded into
+    # each device's pieces
+    "tp2s": {"a.w": [Shard(0, (4, 3))], "b.w": [Shard(1, (5, 1, 3))], "c.v": [Shard(2, (1, 3))],
+             "mask": [Shard(0, (1, 2))]},
 }
-MESHES = {"1": ONE, "tp2": TP2, "tp4": TP4}
+MESHES = {"1": ONE, "tp2": TP2, "tp4": TP4, "tp2s": TP2}
 
 
 def layout_of(name: str):
@@ -88,7 +92,8 @@ def layout_of(name: str):
 
 
 @pytest.mark.parametrize("source, target", [("1", "tp2"), ("tp2", "tp4"), ("tp4", "1"),
-                                            ("tp2", "tp2")])
+                                            ("tp2", "tp2"), ("tp4", "tp2s"), ("tp2s", "1"),
+                                            ("tp2s", "tp2s")])
 def test_round_trip_across_layouts(tmp_path, source, target):
     values = values_for_round_trips()
     saved = build(values, layout_of(source))

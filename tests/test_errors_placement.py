@@ -63,9 +63,15 @@ CASES = {
     "cat S(0),R": ("mesh1", join("cat", 1),
                    {"tensors[0]": (sample(5, 7), [S0]), "tensors[1]": (sample(5, 3, seed=1), [R])},
                    "tensors[1]=R"),
-    "cat on its shard": ("mesh1", join("cat"),
-                         {"tensors[0]": (sample(5, 7), [S0]),
-                          "tensors[1]": (sample(2, 7, seed=1), [S0])}, "dtorch.cat"),
+    # (cat along its shard is a sub-split, tests/test_sub_split.py); a sub-split beside a plain
+    # Shard, or under an op that cannot follow its elements
+    "sub-split+S(0)": ("mesh1", lambda input, other: input + other,
+                       {"input": (sample(5, 7), [Shard(0, (3, 2))]),
+                        "other": (sample(5, 7, seed=1), [S0])}, "input=S(0)[3,2], other=S(0)"),
+    "cumsum sub-split": ("mesh1", lambda input: input.cumsum(1),
+                         {"input": (sample(2, 7), [Shard(1, (4, 3))])}, "input=S(1)[4,3]"),
+    "reshape sub-split": ("mesh2", lambda input: input.reshape(14),
+                          {"input": (sample(2, 7), [R, Shard(1, (4, 3))])}, "dtorch.reshape"),
     "stack P,R": ("mesh1", join("stack"),
                   {"tensors[0]": (sample(5, 7), [P]), "tensors[1]": (sample(5, 7, seed=1), [R])},
                   "dtorch.stack"),

@@ -55,6 +55,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import itertools
 import json
 import math
 import os
@@ -217,7 +218,14 @@ def _pread(fd, pos: int, buffers) -> None:
 def _read_into(ctx, input, pieces):
     if not ctx.holds_value():
         return input.zero_()
-    return read_block(msgpack.unpackb(pieces), ctx.out_offsets, ctx.out_local_shape, input)
+    pieces = msgpack.unpackb(pieces)
+    # a block is a box of the tensor, or for a sub-split dim several: one per range of it
+    ranges = [[(sum(n for _, n in dim[:k]), offset, n) for k, (offset, n) in enumerate(dim)]
+              for dim in ctx.out_specs[0].local_pieces(ctx.out_coord)]
+    for box in itertools.product(*ranges):
+        read_block(pieces, [offset for _, offset, _ in box], [n for *_, n in box],
+                   input[tuple(slice(at, at + n) for at, _, n in box)])
+    return input
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -355,4 +363,5 @@ def one_per_device(call) -> Placed:
 register(OpDef("failure_token", "failure_token(tensors: TensorList, devices)", _no_failure,
                one_per_device, meta=lambda *blocks, devices: torch.empty(
                    devices, dtype=torch.int64, device="meta"), function=False,
-               uses_context=True, front=failure_token))
+               uses_context=True, front=failure_token,
+               sub_splits=True))  # (its Shard is one token per device, no input's layout)

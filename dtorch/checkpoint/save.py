@@ -21,7 +21,7 @@ import os
 import msgpack
 import torch
 
-from ..placement import Partial, Replicate, local_region
+from ..placement import Partial, Replicate, local_region, plain
 from ..tensor import Tensor
 from . import commit, index
 from .kernels import sync_directory, write_blocks, write_file, writes_block
@@ -102,11 +102,12 @@ def _write_all(state, path: str, save_id: str) -> dict:
 
 
 def _reduced(t: Tensor) -> Tensor:
-    """``t`` with its Partial mesh dims reduced to Replicate (the value, written once)."""
-    if not any(isinstance(p, Partial) for p in t.placements):
+    """``t`` with its Partial mesh dims reduced to Replicate (the value, written once), and a
+    sub-split Shard made plain (a file holds each device's block as one box of the tensor)."""
+    writable = [Replicate() if isinstance(p, Partial) else plain(p) for p in t.placements]
+    if writable == t.placements:
         return t
-    return t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
-                                      for p in t.placements])
+    return t.redistribute(placements=writable)
 
 
 def _add_pieces(tensors: dict, mesh, name: str, items) -> None:

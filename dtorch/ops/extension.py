@@ -358,7 +358,7 @@ def _local_map_rule(call) -> Placed:
 
 register(OpDef("local_map", "local_map(inputs: TensorList, fn, slots, args, kwargs, outs)",
                _local_map, _local_map_rule, meta=_local_map_meta, uses_context=True,
-               function=False))
+               function=False, sub_splits=True))  # (the user states the outputs' layout)
 
 
 # -- custom_op ------------------------------------------------------------------------------------

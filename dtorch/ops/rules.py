@@ -155,8 +155,12 @@ def _carry_sub_split(call, table, ins, auto_chunk):
     shapes = [shape for shape, _ in call.outs]
     if any(isinstance(q, Shard) and shape[q.dim] != extent for q, shape in zip(got, shapes)):
         return ins, None
-    keep = lambda q: Shard(q.dim, split) if isinstance(q, Shard) else q  # noqa: E731
-    return tuple(map(keep, row_ins)), tuple(map(keep, got))
+    return (tuple(_with_split(q, split) for q in row_ins),
+            tuple(_with_split(q, split) for q in got))
+
+
+def _with_split(p, split):
+    return Shard(p.dim, split) if isinstance(p, Shard) else p
 
 
 def check_sub_splits(call: Call, placed: Placed) -> None:
@@ -171,8 +175,7 @@ def check_sub_splits(call: Call, placed: Placed) -> None:
         if not splits:
             continue
         outs = [o[i] for o in placed.outs]
-        if len(splits) == 1 and all(_sub_split(o) in splits for o in outs
-                                    if isinstance(o, Shard)):
+        if all(_sub_split(o) in splits for o in outs if isinstance(o, Shard)):
             continue
         names = operand_names(call)
         got = ", ".join(f"{n}={p}" for n, p in zip(names, ins))

@@ -37,7 +37,7 @@ def cut_segments(x, dim: int, sizes):
     starts = list(itertools.accumulate(sizes, initial=0))
     if not bounds.issuperset(starts):
         return None
-    return tuple(issue("_take_segments", (x,), (dim, a, b - a)) for a, b in zip(starts, starts[1:]))
+    return tuple(issue("_take_segments", (x,), (dim, a, b - a)) for a, b in itertools.pairwise(starts))
 
 
 def cut_slice(x, index):

@@ -137,6 +137,7 @@ def relabel_rule(call) -> Placed:
 
 register(OpDef("relabel", "relabel(input: Tensor, placements)",
                lambda input: input.view(input.shape), relabel_rule, function=False, flags=VIEW,
+               sub_splits=True,  # DTorch's way to read a sub-split's blocks as plain ones
                meta=lambda input: input))
 
 
