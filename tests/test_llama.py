@@ -5,10 +5,12 @@ import pytest
 import torch
 
 import dtorch
+from dtorch import Replicate, Shard
 from dtorch.models.llama import LlamaForCausalLM
 
 transformers = pytest.importorskip("transformers")
 
+R = Replicate()
 DIMS = ["dp", "tp", "pp", "ulysess_cp", "ring_cp"]
 # (dp, tp, pp, ulysess_cp, ring_cp)
 LAYOUTS = {
@@ -21,6 +23,12 @@ LAYOUTS = {
     "tp2-pp2-ulysses2": (1, 2, 2, 2, 1),
     "dp2-tp2-pp2-ulysses2": (2, 2, 2, 2, 1),
     "dp2-tp2-pp2-ring2": (2, 2, 2, 1, 2),
+    # size-1 dims among the five, and both kinds of context parallelism at once
+    "dp2-ring2": (2, 1, 1, 1, 2),
+    "tp2-ring2": (1, 2, 1, 1, 2),
+    "ulysses2-ring2": (1, 1, 1, 2, 2),
+    "pp2-ulysses2-ring2": (1, 1, 2, 2, 2),
+    "dp2-tp2-ulysses2-ring2": (2, 2, 1, 2, 2),
 }
 
 
@@ -142,6 +150,55 @@ def test_bfloat16_checkpoint_matches_hf_in_bfloat16(tmp_path, gqa, tokens):
     logits = model(tokens)
     assert logits.dtype == torch.bfloat16
     assert torch.equal(logits.to_torch(), hf_logits(hf, tokens))
+
+
+def sequence_everywhere(mesh):
+    """Token ids as DTorch's own programs lay them out: the batch on ``dp`` and the sequence on
+    both context-parallel dims, whatever their sizes."""
+    return [Shard(0) if name == "dp" else Shard(1) if name in ("ulysess_cp", "ring_cp") else R
+            for name in mesh.dim_names]
+
+
+def as_read_back(placements, mesh):
+    """A Shard on a mesh dim of one device reads back as Replicate."""
+    return [R if p.is_shard() and n == 1 else p for p, n in zip(placements, mesh.shape)]
+
+
+# meshes with dims of one device among the five, where a sequence Shard sits on one
+SIZE_ONE_LAYOUTS = ["tp2-pp2-ulysses2", "dp2-ring2", "tp2-ring2", "dp2-tp2-pp2-ulysses2"]
+
+
+@pytest.mark.parametrize("layout", SIZE_ONE_LAYOUTS)
+def test_sequence_shard_on_a_dim_of_one_device(layout, gqa, tokens):
+    """Token ids sharded along the sequence on every CP dim, one of them of size 1 (where the
+    Shard is a Replicate): the logits equal HF's and come back in the ids' layout."""
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of(layout))
+    model.load_state_dict(gqa.state_dict())
+    first = model.first_stage_mesh()
+    ids = dtorch.from_torch(tokens, device_mesh=first, placements=sequence_everywhere(first))
+    assert ids.placements == as_read_back(sequence_everywhere(first), first)
+    logits = model(ids)
+    assert logits.device_mesh == first and logits.placements == ids.placements
+    torch.testing.assert_close(logits.to_torch(), hf_logits(gqa, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_one_training_step_on_dims_of_one_device(gqa, tokens):
+    """A cross-entropy loss's gradients on tp2·pp2·ulysses2 (dp and ring_cp of one device, the
+    labels sharded along the sequence on both CP dims) equal HF's."""
+    hf = hf_model(config())
+    labels = torch.roll(tokens, -1, dims=1)
+    torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).backward()
+    model = LlamaForCausalLM(hf.config, device_mesh=mesh_of("tp2-pp2-ulysses2"))
+    model.load_state_dict(hf.state_dict())
+    first = model.first_stage_mesh()
+    ids, target = (dtorch.from_torch(t, device_mesh=first, placements=sequence_everywhere(first))
+                   for t in (tokens, labels))
+    # classes in dim 1: batch and sequence keep their shards
+    dtorch.nn.functional.cross_entropy(model(ids).transpose(1, 2), target).backward()
+    grads = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.to_torch(), grads[name].grad, atol=1e-5, rtol=1e-4,
+                                   msg=name)
 
 
 def test_refusals_name_the_fix(gqa):

@@ -69,9 +69,7 @@ def token_placements(mesh: DeviceMesh, shard_sequence: bool = True) -> dict:
     layout = {"dp": Shard(0)}
     if shard_sequence:
         layout.update({name: Shard(1) for name in CP_DIMS})
-    # a dim of one device splits nothing (and ops' rules need not take a Shard there)
-    return {name: p for name, p in layout.items()
-            if mesh.has_dim_name(name) and mesh.shape[mesh.dim_name_index(name)] > 1}
+    return {name: p for name, p in layout.items() if mesh.has_dim_name(name)}
 
 
 def rope_parameters(config) -> tuple:
