@@ -20,6 +20,10 @@ R = Replicate()
 
 # -- varargs by keyword ---------------------------------------------------------------------------
 
+def _lib(x):
+    return dtorch if isinstance(x, dtorch.Tensor) else torch
+
+
 KEYWORD_FORMS = [  # (id, fn on a (2, 3, 4) tensor of torch or dtorch, a dim its rule may shard)
     ("reshape-shape", lambda x: x.reshape(shape=(6, -1)), 2),
     ("reshape-list", lambda x: x.reshape(shape=[4, 6]), None),
@@ -32,6 +36,11 @@ KEYWORD_FORMS = [  # (id, fn on a (2, 3, 4) tensor of torch or dtorch, a dim its
     ("permute-dims", lambda x: x.permute(dims=(2, 0, 1)), 0),
     ("expand-size", lambda x: x[:1].expand(size=(5, 3, 4)), 1),
     ("flip-dims", lambda x: x.flip(dims=(0, 2)), 1),
+    # axis=, NumPy's name of dim, which torch takes too
+    ("cat-axis", lambda x: _lib(x).cat([x, x], axis=1), 2),
+    ("stack-axis", lambda x: _lib(x).stack([x, x], axis=2), 0),
+    ("sum-axis", lambda x: x.sum(axis=1), 2),
+    ("mean-axis", lambda x: _lib(x).mean(x, axis=2, keepdim=True), 0),
 ]
 
 
@@ -50,7 +59,8 @@ def test_varargs_by_keyword_like_torch(fn, dim, layout, one, mesh1):
     lambda lib, x: x.repeat(2, 1, 1, repeats=(2, 1, 1)),
     lambda lib, x: x.view(6, 4, size=(6, 4)),
     lambda lib, x: lib.rand(2, size=(2,)),
-], ids=["reshape", "repeat", "view", "rand"])
+    lambda lib, x: lib.cat([x, x], 1, axis=1),
+], ids=["reshape", "repeat", "view", "rand", "cat-axis"])
 def test_varargs_both_ways_is_torchs_type_error(call):
     t = sample((2, 3, 4))
     with pytest.raises(TypeError):

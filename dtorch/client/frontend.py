@@ -37,14 +37,22 @@ def _keyword_size(positional: tuple, keyword, op: str, name: str) -> tuple:
     return size_arg((keyword,))
 
 
+def _axis(dim, axis, default, op: str):
+    """``axis=``, NumPy's name of ``dim``, which torch takes too (``torch.cat(ts, axis=0)``)."""
+    if dim != default:
+        raise TypeError(f"{op}() got multiple values for argument 'dim' (as 'axis')")
+    return axis
+
+
 _NO_KEYWORD = object()
 
 
 def generate(op, dispatch_fn=dispatch):
     """The public function of ``op``; ``dispatch_fn`` (default: ``dispatch``) receives
     ``(op, operands, static)`` (dtorch.register_op routes its operators through a carrier).
-    Static varargs (``*shape``) may also come as one keyword of their name (``shape=``)."""
-    params, operands, static, star = [], [], [], False
+    Static varargs (``*shape``) may also come as one keyword of their name (``shape=``), and a
+    ``dim`` with a default as ``axis=``."""
+    params, operands, static, star, axis = [], [], [], False, False
     for p in op.params:
         if p.varargs and p.kind == "static":
             given = f"{p.name}_positional"
@@ -65,8 +73,14 @@ def generate(op, dispatch_fn=dispatch):
             operands.append(p.name)
         elif p.kind == "tensors":  # varargs ("*operands") may also come as one list, as in torch
             operands.append(f"*_tensors({p.name})" if p.varargs else "*" + p.name)
+        elif p.name == "dim" and p.default is not None:
+            static.append(f"({p.name} if axis is _NO else "
+                          f"_axis({p.name}, axis, {p.default}, {op.name!r}))")
+            axis = True
         else:
             static.append(p.name)
+    if axis:
+        params += ["axis=_NO"] if star else ["*", "axis=_NO"]
     # dispatch itself learns to skip this front's frame when it looks for the user's line
     depth = ", 3" if dispatch_fn is dispatch else ""
     call = f"_dispatch(_op, {_tuple(operands)}, {_tuple(static)}{depth})"
@@ -75,7 +89,8 @@ def generate(op, dispatch_fn=dispatch):
         f"    return {f'_result({call})' if op.result else call}\n"
     )
     namespace = {"_dispatch": dispatch_fn, "_op": op, "_size": size_arg, "_result": op.result,
-                 "_tensors": _tensors, "_keyword_size": _keyword_size, "_NO": _NO_KEYWORD}
+                 "_tensors": _tensors, "_keyword_size": _keyword_size, "_NO": _NO_KEYWORD,
+                 "_axis": _axis}
     exec(compile(src, _FILENAME, "exec"), namespace)
     fn = namespace[op.name]
     fn.__doc__ = op.doc or f"dtorch.{op.signature}: torch.{op.name} on distributed tensors."

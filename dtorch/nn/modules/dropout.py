@@ -1,18 +1,18 @@
 """Dropout and the small shape modules (``Flatten``, ``Unflatten``), with torch's constructors,
 attributes and ``extra_repr``.
 
-``Dropout`` honours ``train()``/``eval()`` as torch's: it drops in training mode (a new module's
-mode, as in torch) and is the identity in eval mode. DTorch's is an identity always and refuses
+``Dropout`` honours ``train()``/``eval()`` as torch's: it drops in training mode and is the
+identity in eval mode (a new module's mode, as DTorch's: ``dtorch.nn.Module``). DTorch's is an identity always and refuses
 ``p = 1``; here ``p`` may be anything in [0, 1], as torch's. The values dropped come from
 dtorch's seed (``dtorch.manual_seed``), each device drawing its own block, so they differ from
 torch's for the same seed (docs/ops.md, ``dropout``).
 
 >>> import dtorch
 >>> drop = dtorch.nn.Dropout(0.5)
->>> sorted(set(drop(dtorch.ones(8)).to_torch().tolist()) - {0.0}), drop
-([2.0], Dropout(p=0.5, inplace=False))
->>> drop.eval()(dtorch.ones(2)).to_torch()
+>>> drop(dtorch.ones(2)).to_torch()
 tensor([1., 1.])
+>>> sorted(set(drop.train()(dtorch.ones(8)).to_torch().tolist()) - {0.0}), drop
+([2.0], Dropout(p=0.5, inplace=False))
 """
 
 from __future__ import annotations
