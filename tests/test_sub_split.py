@@ -217,6 +217,28 @@ def test_a_plain_shard_beside_it_is_refused_with_the_fix(mesh1):
         x.cumsum(1)
 
 
+
+def test_ops_that_read_their_blocks_position_are_refused_at_the_call(mesh1):
+    """tril's diagonal and a vocabulary shard's rows depend on where a block starts: a sub-split
+    block starts in several places, so the call is refused (not a failure on the devices)."""
+    x, t = joined(mesh1, [S1])
+    with pytest.raises(ValueError, match=r"dtorch\.tril\b.*redistribute"):
+        x.tril()
+    assert_close(x.redistribute(placements=[S1]).tril(), t.tril())
+    ids = dtorch.from_torch(torch.zeros(2, dtype=torch.long))
+    weight = dtorch.cat([dtorch.from_torch(sample((4, 3)), device_mesh=mesh1, placements=[S0])] * 2)
+    with pytest.raises(ValueError, match=r"vocab_parallel_embedding\b.*redistribute"):
+        dtorch.nn.functional.vocab_parallel_embedding(ids.redistribute(device_mesh=mesh1), weight)
+
+
+def test_dropout_of_a_sub_split_draws_each_block_on_its_own(mesh1):
+    x, _ = joined(mesh1, [S1], sizes=(4, 4))  # device 0 holds dim 1's [0:2] and [4:6], 1 the rest
+    out = dtorch.nn.functional.dropout(dtorch.ones_like(x), 0.5).to_torch()
+    assert set(out.unique().tolist()) <= {0.0, 2.0}
+    first = torch.cat([out[:, 0:2], out[:, 4:6]], 1)
+    second = torch.cat([out[:, 2:4], out[:, 6:8]], 1)
+    assert not torch.equal(first, second)  # not one seed for both blocks
+
 # -- cutting it back ------------------------------------------------------------------------------
 
 

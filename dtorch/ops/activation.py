@@ -341,7 +341,11 @@ def _dropout(ctx, input, seed, p=0.5, training=True, inplace=False):
     if p == 1:
         noise = torch.zeros((), dtype=input.dtype, device=input.device)
     else:
-        g = torch.Generator(device=input.device).manual_seed(block_seed(seed, ctx.out_offsets))
+        offsets = ctx.out_offsets
+        if None in offsets:  # a sub-split block has no one offset: its coordinate tells it apart
+            # (and None must not be hashed: its hash is its address, another in every process)
+            offsets = (*(-1 if o is None else o for o in offsets), *ctx.out_coord)
+        g = torch.Generator(device=input.device).manual_seed(block_seed(seed, offsets))
         noise = torch.empty_like(input).bernoulli_(1 - p, generator=g).div_(1 - p)
     return input.mul_(noise) if inplace else input * noise
 

@@ -53,6 +53,10 @@ class OpDef:
     # its placement rule makes or cuts sub-split Shards itself (cat, the segment cuts): the
     # client's check that every other rule keeps them (``rules.check_sub_splits``) skips it
     sub_splits: bool = False
+    # its kernel reads its block's position along a dim (tril's diagonal, dropout's seed, a
+    # vocabulary shard's first row): a sub-split block is several pieces with no one position,
+    # so rows written for plain Shards do not carry a sub-split to it (the call is refused)
+    positional: bool = False
     # filled from the signature
     params: list = field(default_factory=list)
     static_names: tuple = ()

@@ -105,7 +105,7 @@ def expand(call: Call, rows, *, auto_chunk: bool = False) -> Placed:
         got = table.get(ins)
         if got is None and auto_chunk:
             ins, got = _auto_chunk(table, ins)
-        if got is None and any(_sub_split(p) for p in ins):
+        if got is None and not call.op.positional and any(_sub_split(p) for p in ins):
             ins, got = _carry_sub_split(call, table, ins, auto_chunk)
         if got is None:
             missing.append((i, ins))

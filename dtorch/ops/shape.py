@@ -434,7 +434,7 @@ def _triangle(fn):
 for _name in ("tril", "triu"):
     register(OpDef(_name, f"{_name}(input: Tensor, diagonal=0)", _triangle(getattr(torch, _name)),
                    moving_rule(lambda ndim, **_: ()), meta=getattr(torch, _name),
-                   methods=(_name,), uses_context=True))
+                   methods=(_name,), uses_context=True, positional=True))
 
 
 def cat_rule(call) -> Placed:

@@ -65,4 +65,4 @@ def _vocab_embedding(ctx, input, weight, padding_idx=None):
 register(OpDef("vocab_parallel_embedding",
                "vocab_parallel_embedding(input: Tensor, weight: Tensor, padding_idx=None)",
                _vocab_embedding, vocab_embedding_rule, meta=F.embedding, uses_context=True,
-               functional=True, function=False))
+               functional=True, function=False, positional=True))
