@@ -322,6 +322,8 @@ def bind(s, op, operands, static) -> Bound:
     )
     # torch's ``inplace=True`` argument makes that call an in-place one
     flags = op.flags | (INPLACE if kw.get("inplace") is True else 0)
+    if op.written is not None:
+        flags |= P.writes(*op.written(len(operands), kw))
     inplace = bool(flags & INPLACE)
     # the metadata rule has refused shape and dtype changes as torch does; placements remain
     if inplace and (out_specs[0] is not tensors[0]._spec or placed.pre and any(

@@ -371,7 +371,7 @@ class Session(Receiving):
             outputs = [self.spec_id(o) for o in outputs]
             call_id = len(self.call_defs) + 1
             self.append(P.DefineCall(P.DEFINE_CALL, call_id, target, inputs, outputs, blob,
-                                     flags, kind))
+                                     P.wire_bits(flags), kind))
             self.call_defs.append((P.call_name(kind, target), len(outputs)))
         return call_id
 

@@ -37,7 +37,8 @@ class CallInfo(NamedTuple):
         first = P.OP_OUTS + len(outputs)
         reads = tuple(first + k for k, s in enumerate(inputs) if s)
         scalars = tuple(first + k for k, s in enumerate(inputs) if not s)
-        return cls(i, P.call_name(kind, target), tuple(inputs), tuple(outputs), static, flags,
+        return cls(i, P.call_name(kind, target), tuple(inputs), tuple(outputs), static,
+                   P.bits_of(flags),
                    reads, scope, (reads, scalars, first), kind)
 
 

@@ -39,6 +39,9 @@ class OpDef:
     functional: bool = False  # exported as dtorch.nn.functional.<name> too
     aliases: tuple = ()  # torch's other names for it (functions, and methods where it has some)
     flags: int = 0
+    # (n_operands, static) -> the operands besides 0 an INPLACE call writes, where they depend
+    # on the call (an optimizer's update of a list of parameters and their state)
+    written: Callable | None = None
     uses_context: bool = False  # kernel(ctx, *operands, **static): needs the device's coordinate
     result: Callable | None = None  # wraps what a call returns (torch's named tuples)
     doc: str = ""

@@ -1,18 +1,21 @@
-"""Optimizer updates: one call per parameter and step, run on the hosts by torch's own
-single-tensor implementations (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``), so a dtorch
-optimizer's arithmetic is torch's, element for element.
+"""Optimizer updates: one call updates a list of parameters (a parameter group's on one mesh,
+or a single one), run on the hosts by torch's own implementations (``torch.optim.sgd.sgd``,
+``torch.optim.adam.adam``) on the device's blocks, with torch's ``foreach`` and ``fused``
+switches: a dtorch optimizer's arithmetic is torch's, element for element.
 
-Each update is in place, as torch's: it writes the parameter (operand 0, which it returns) and
-its state (``sgd_update_``'s momentum buffer, ``adam_update_``'s moments), and its flags say so
-(``protocol.writes``), so the controller orders every other access to those storages around
-it (``passes.assign_streams``). The step number and learning rate are operands passed as
-numbers, which travel as values: a scheduler changing the rate every step reuses one call
-shape.
+An operand list is laid out by kind, then by parameter: the n parameters, their n gradients,
+their state tensors (SGD's momentum buffers if it has momentum; Adam's first then second
+moments), then the numbers: Adam's n step counts, and the learning rate. Each update is in
+place, as torch's: it writes the parameters and their state, returns the first parameter
+(operand 0), and its flags say which operands it writes (``protocol.writes``, per call:
+``OpDef.written``), so the controller orders every other access to those storages around it
+(``passes.assign_streams``). Step counts and the learning rate are operands passed as numbers,
+which travel as values: a scheduler changing the rate every step reuses one call shape.
 
-The layout: parameter, gradient and state are laid out alike (the optimizer makes them so), and
-every element's update reads only that element, so any Shard or Replicate layout updates in
-place on each device. A Partial parameter stands for a sum, which an elementwise update of its
-pieces would not respect: the optimizer updates its Replicate form instead.
+The layout: each parameter's gradient and state are laid out as it is (the optimizer makes them
+so), and every element's update reads only that element, so any Shard or Replicate layout
+updates in place on each device. A Partial parameter stands for a sum, which an elementwise
+update of its pieces would not respect: the optimizer updates its Replicate form instead.
 
 ``sgd_update_`` and ``adam_update_`` are the fronts the optimizers call (``optim/optimizer.py``).
 """
@@ -24,69 +27,111 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.sgd import sgd as _torch_sgd
 
 from ..ops.registry import OpDef, issue, register
-from ..ops.rules import Placed, expand
-from ..placement import Replicate, Shard
-from ..protocol import INPLACE, writes
+from ..ops.rules import Placed
+from ..protocol import INPLACE
 
-R = Replicate()
+
+def _lists(operands, n: int, k: int) -> list:
+    """The first ``k`` lists of ``n`` operands each."""
+    return [list(operands[i * n:(i + 1) * n]) for i in range(k)]
 
 
 def alike_rule(call) -> Placed:
-    """Every tensor operand and result laid out as the parameter (Shard or Replicate)."""
-    n_in, n_out = len(call.tensors), len(call.outs)
-    dims = len(call.tensors[0].shape)
-    rows = [((p,) * n_out, (p,) * n_in) for p in [R, *(Shard(d) for d in range(dims))]]
-    return expand(call, rows)
+    """Each parameter's gradient and state laid out as the parameter (Shard or Replicate, on
+    the call's mesh); the result, the first parameter, as it is."""
+    specs = call.tensors
+    n = _parameters(call.op.name, len(specs), call.static)
+    for k, spec in enumerate(specs):
+        param = specs[k % n]
+        if spec.mesh != call.mesh or spec.placements != param.placements or any(
+                p.is_partial() for p in spec.placements):
+            raise ValueError(f"dtorch.optim: {call.op.name} updates tensors laid out as their "
+                             f"parameter (Shard or Replicate), but operand {k} is "
+                             f"{list(spec.placements)} and its parameter "
+                             f"{list(param.placements)}")
+    return Placed((specs[0].placements,))
 
 
-def _sgd_update_(param, grad, momentum_buffer, lr, *, momentum, dampening, weight_decay,
-                 nesterov, maximize, first):
-    """Without momentum the buffer is the gradient, which torch's update ignores."""
-    buffers = [None if first or momentum == 0 else momentum_buffer]
-    _torch_sgd([param], [grad], buffers, weight_decay=weight_decay, momentum=momentum, lr=lr,
-               dampening=dampening, nesterov=nesterov, maximize=maximize, foreach=False)
-    if first and momentum != 0:  # torch made the first buffer (the gradient): it is ours
-        momentum_buffer.copy_(buffers[0])
-    return param
+def _parameters(name: str, n_tensors: int, static: dict) -> int:
+    """How many parameters a call with ``n_tensors`` tensor operands updates."""
+    if name == "adam_update_":
+        return n_tensors // 4
+    return n_tensors // (2 if static["momentum"] == 0 else 3)
 
 
-def _adam_update_(param, grad, exp_avg, exp_avg_sq, step, lr, *, beta1, beta2, eps,
-                  weight_decay, maximize, decoupled):
-    # torch counts the step before the update: the count of the update being made
-    _torch_adam([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step - 1))],
-                foreach=False, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
-                beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
-    return param
+def _sgd_update_(*operands, momentum, dampening, weight_decay, nesterov, maximize, firsts,
+                 foreach, fused):
+    """Without momentum there is no buffer; a first step's buffer is made by torch (from the
+    gradient) and copied into ours."""
+    n = len(firsts)
+    params, grads = _lists(operands, n, 2)
+    buffers = list(operands[2 * n:3 * n]) if momentum else [None] * n
+    given = [None if first or not momentum else b for b, first in zip(buffers, firsts)]
+    _torch_sgd(params, grads, given, weight_decay=weight_decay, momentum=momentum,
+               lr=operands[-1], dampening=dampening, nesterov=nesterov, maximize=maximize,
+               foreach=foreach and not fused, fused=fused)
+    for ours, made, first in zip(buffers, given, firsts):
+        if first and momentum:  # torch made the first buffer: it is ours
+            ours.copy_(made)
+    return params[0]
+
+
+def _adam_update_(*operands, beta1, beta2, eps, weight_decay, maximize, decoupled, foreach,
+                  fused):
+    n = (len(operands) - 1) // 5
+    params, grads, exp_avgs, exp_avg_sqs, steps = _lists(operands, n, 5)
+    # torch counts the step before the update: the count of the update being made. Its fused
+    # kernels read the counts on the device, the others on the CPU (as torch.optim.Adam keeps
+    # them)
+    where = params[0].device if fused else "cpu"
+    counts = [torch.tensor(float(s - 1), device=where) for s in steps]
+    _torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], counts, foreach=foreach and not fused,
+                fused=fused, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
+                beta2=beta2, lr=operands[-1], weight_decay=weight_decay, eps=eps,
+                maximize=maximize)
+    return params[0]
 
 
 def _update_meta(param, *operands, **static):
     return param
 
 
-def sgd_update_(param, grad, momentum_buffer, lr: float, *, momentum, dampening, weight_decay,
-                nesterov, maximize, first):
-    """Issues one SGD step of ``param`` (in place) and returns it; without momentum the buffer
-    is ignored (pass the gradient)."""
-    return issue("sgd_update_", (param, grad, momentum_buffer, lr),
-                 (momentum, dampening, weight_decay, nesterov, maximize, first))
+def _sgd_written(n_operands: int, static: dict) -> range:
+    n = len(static["firsts"])
+    return range(1, n) if not static["momentum"] else (*range(1, n), *range(2 * n, 3 * n))
 
 
-def adam_update_(param, grad, exp_avg, exp_avg_sq, step: float, lr: float, *, beta1, beta2, eps,
-                 weight_decay, maximize, decoupled):
-    """Issues one Adam (``decoupled``: AdamW) step of ``param`` and its moments (in place) and
-    returns ``param``; ``step`` counts this update."""
-    return issue("adam_update_", (param, grad, exp_avg, exp_avg_sq, step, lr),
-                 (beta1, beta2, eps, weight_decay, maximize, decoupled))
+def _adam_written(n_operands: int, static: dict) -> tuple:
+    n = (n_operands - 1) // 5
+    return (*range(1, n), *range(2 * n, 4 * n))
+
+
+def sgd_update_(params, grads, momentum_buffers, lr: float, *, momentum, dampening,
+                weight_decay, nesterov, maximize, firsts, foreach, fused):
+    """Issues one SGD step of ``params`` (in place; their ``momentum_buffers`` too, unless
+    ``momentum`` is 0: pass none) and returns the first; ``firsts``: whether each buffer is
+    made by this step."""
+    return issue("sgd_update_", (*params, *grads, *momentum_buffers, lr),
+                 (momentum, dampening, weight_decay, nesterov, maximize, tuple(firsts),
+                  bool(foreach), bool(fused)))
+
+
+def adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, *, beta1, beta2, eps,
+                 weight_decay, maximize, decoupled, foreach, fused):
+    """Issues one Adam (``decoupled``: AdamW) step of ``params`` and their moments (in place)
+    and returns the first; ``steps`` count this update of each."""
+    return issue("adam_update_", (*params, *grads, *exp_avgs, *exp_avg_sqs, *steps, lr),
+                 (beta1, beta2, eps, weight_decay, maximize, decoupled, bool(foreach),
+                  bool(fused)))
 
 
 register(OpDef("sgd_update_",
-               "sgd_update_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, lr: Tensor, "
-               "*, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, "
-               "maximize=False, first=False)", _sgd_update_, alike_rule, meta=_update_meta,
-               flags=INPLACE | writes(2), function=False, front=sgd_update_))
+               "sgd_update_(operands: TensorList, *, momentum=0.0, dampening=0.0, "
+               "weight_decay=0.0, nesterov=False, maximize=False, firsts=(), foreach=True, "
+               "fused=False)", _sgd_update_, alike_rule, meta=_update_meta, flags=INPLACE,
+               written=_sgd_written, function=False, front=sgd_update_))
 register(OpDef("adam_update_",
-               "adam_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, "
-               "step: Tensor, lr: Tensor, *, beta1=0.9, beta2=0.999, eps=1e-8, "
-               "weight_decay=0.0, maximize=False, decoupled=False)", _adam_update_,
-               alike_rule, meta=_update_meta, flags=INPLACE | writes(2, 3), function=False,
-               front=adam_update_))
+               "adam_update_(operands: TensorList, *, beta1=0.9, beta2=0.999, eps=1e-8, "
+               "weight_decay=0.0, maximize=False, decoupled=False, foreach=True, fused=False)",
+               _adam_update_, alike_rule, meta=_update_meta, flags=INPLACE,
+               written=_adam_written, function=False, front=adam_update_))

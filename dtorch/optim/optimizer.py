@@ -105,36 +105,46 @@ class Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """torch's ``step``: ``update_one`` for each parameter with a gradient."""
+        """torch's ``step``: the parameters with a gradient, updated by one call per group and
+        mesh (``foreach`` and ``fused``: torch's implementations on each device's list of
+        blocks), or with ``foreach=False`` one call per parameter (torch's single-tensor one).
+        The update runs in each parameter's update layout (``update_layout``): on the
+        parameter itself when that is its layout; else on a copy laid out so, copied back into
+        it: under ZeRO each device updates its chunk (a local slice of the parameter and
+        gradient) and the chunks are all-gathered, those of many parameters in one collective
+        (``buckets.Buckets``); a Partial parameter is updated whole and split back. With
+        master weights, a low-precision parameter is updated through its float32 copy
+        ``state["master"]`` (the gradient cast up), then rounded."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         back = Buckets(lambda p, new: p.copy_(new))
         for group in self.param_groups:
+            one_call = group["foreach"] is not False or group["fused"]
+            batches: dict = {}
             for p in group["params"]:
                 if p.grad is not None:
-                    new = self.update_one(p, group, self.state[p])
-                    if new is not None:
-                        back.add(p, new, p._spec)
+                    batches.setdefault(p.device_mesh if one_call else id(p), []).append(p)
+            for params in batches.values():
+                targets = [self._target(p, self.state[p]) for p in params]
+                self.update(params, targets, group)
+                for p, (param, _) in zip(params, targets):
+                    if self._keeps_master(p):
+                        back.add(p, param.to(p.dtype), p._spec)
+                    elif param is not p:
+                        back.add(p, param, p._spec)
         back.flush()
         return loss
 
-    def update_one(self, p: Tensor, group: dict, state: dict):
-        """Issues the update of one parameter (its group's options, its state); returns what
-        ``_apply`` does."""
+    def update(self, params: list, targets: list, group: dict) -> None:
+        """Issues the update of ``params`` (one mesh's, of ``group``): ``targets`` holds the
+        (parameter, gradient) pair each is updated as (``_target``), in place."""
         raise NotImplementedError
 
-    def _apply(self, p: Tensor, state: dict, update):
-        """Runs ``update(param, grad)``, which writes ``param`` and the state in place, in
-        ``p``'s update layout (``update_layout``): on ``p`` itself when that is its layout
-        (returns None); else on a copy laid out so, returned for ``step`` to copy back into
-        ``p``: under ZeRO each device updates its chunk (a local slice of the parameter and
-        gradient) and the chunks are all-gathered, those of many parameters in one collective
-        (``buckets.Buckets``); a Partial parameter is updated whole and split back. With
-        master weights, a low-precision ``p`` is updated through its float32 copy
-        ``state["master"]`` (the gradient cast up), then rounded: the copy returned is in
-        ``p``'s dtype."""
+    def _target(self, p: Tensor, state: dict) -> tuple:
+        """``(param, grad)``: ``p`` and its gradient laid out as ``p`` is updated, or under
+        master weights the float32 copy and the gradient cast up."""
         layout = self.update_layout(p)
 
         def laid_out(t):
@@ -144,12 +154,13 @@ class Optimizer(torch.optim.Optimizer):
         if self._keeps_master(p):
             if "master" not in state:
                 state["master"] = laid_out(p).to(torch.float32)
-            new = update(state["master"], grad.to(torch.float32)).to(p.dtype)
-        else:
-            new = update(laid_out(p), grad)
-            if new is p:
-                return None
-        return new
+            return state["master"], grad.to(torch.float32)
+        return laid_out(p), grad
+
+    @staticmethod
+    def _implementation(group: dict) -> dict:
+        """The group's torch implementation, as the update kernels take it."""
+        return dict(foreach=group["foreach"] is not False, fused=bool(group["fused"]))
 
     def _keeps_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype in (torch.bfloat16, torch.float16)
@@ -173,15 +184,21 @@ class Optimizer(torch.optim.Optimizer):
         return dtorch.zeros(tuple(p.shape), dtype=dtype, device_mesh=p.device_mesh,
                             placements=self.update_layout(p))
 
-    def _options(self, zero_stage: int, dp_dim: str, master_weights: bool) -> None:
+    def _options(self, zero_stage: int, dp_dim: str, master_weights: bool, foreach,
+                 fused) -> None:
         """ZeRO through placements: stage 1 shards the state on ``dp_dim``, stage 2 the
         gradients too (``backward`` reduce-scatters them into ``.grad`` instead of
         all-reducing them), stage 3 the parameters: it takes them stored sharded by
         ``dtorch.nn.fully_shard`` (the optimizer sees parameters, not the layers whose forward
         gathers them), refuses one that ZeRO would shard but is not, and keeps the state and
         gradients laid out as they are. ``master_weights``: bfloat16/float16 parameters are
-        updated through float32 copies, with float32 state."""
+        updated through float32 copies, with float32 state. ``foreach``/``fused``: torch's
+        (``step``); the default (None) is foreach, which on one device is bit for bit torch's
+        ``foreach=True`` (and on CPU its single-tensor result too); ``fused`` may differ from
+        both in the last bits, as torch's does."""
         self.master_weights = bool(master_weights)
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         self.zero_stage, self.dp_dim = zero_stage, dp_dim
@@ -197,34 +214,30 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 zero_stage: int = 0, dp_dim: str = "dp",
-                 master_weights: bool = False):
+                 foreach: bool | None = None, fused: bool | None = None,
+                 zero_stage: int = 0, dp_dim: str = "dp", master_weights: bool = False):
         _check(lr, "learning rate")
         _check(momentum, "momentum value")
         _check(weight_decay, "weight_decay value")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        self._options(zero_stage, dp_dim, master_weights)  # before the groups are added
+        self._options(zero_stage, dp_dim, master_weights, foreach, fused)  # before the groups
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov,
-                                      maximize=maximize))
+                                      maximize=maximize, foreach=foreach, fused=fused))
 
-    def update_one(self, p: Tensor, group: dict, state: dict):
-        first = "momentum_buffer" not in state
-        buf = state["momentum_buffer"] if not first else (
-            self._state_like(p) if group["momentum"] else None)
-
-        def update(param, grad, group=group, first=first):
-            # no momentum: the gradient stands in for the buffer, which the update ignores
-            return sgd_update_(param, grad, grad if buf is None else buf, float(group["lr"]),
-                               momentum=group["momentum"], dampening=group["dampening"],
-                               weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                               maximize=group["maximize"], first=first)
-
-        new = self._apply(p, state, update)
-        if group["momentum"] != 0:
-            state["momentum_buffer"] = buf
-        return new
+    def update(self, params: list, targets: list, group: dict) -> None:
+        states = [self.state[p] for p in params]
+        firsts = [bool(group["momentum"]) and "momentum_buffer" not in s for s in states]
+        for p, state, first in zip(params, states, firsts):
+            if first:
+                state["momentum_buffer"] = self._state_like(p)
+        buffers = [s["momentum_buffer"] for s in states] if group["momentum"] else []
+        sgd_update_([t for t, _ in targets], [g for _, g in targets], buffers,
+                    float(group["lr"]), momentum=group["momentum"],
+                    dampening=group["dampening"], weight_decay=group["weight_decay"],
+                    nesterov=group["nesterov"], maximize=group["maximize"], firsts=firsts,
+                    **self._implementation(group))
 
 
 class Adam(Optimizer):
@@ -234,8 +247,8 @@ class Adam(Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
-                 zero_stage: int = 0, dp_dim: str = "dp",
-                 master_weights: bool = False):
+                 foreach: bool | None = None, fused: bool | None = None,
+                 zero_stage: int = 0, dp_dim: str = "dp", master_weights: bool = False):
         _check(lr, "learning rate")
         _check(eps, "epsilon value")
         _check(weight_decay, "weight_decay value")
@@ -244,26 +257,26 @@ class Adam(Optimizer):
         if amsgrad:
             raise NotImplementedError(f"dtorch.optim.{type(self).__name__}: amsgrad=True is "
                                       f"not supported yet")
-        self._options(zero_stage, dp_dim, master_weights)  # before the groups are added
+        self._options(zero_stage, dp_dim, master_weights, foreach, fused)  # before the groups
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, amsgrad=amsgrad,
-                                      maximize=maximize))
+                                      maximize=maximize, foreach=foreach, fused=fused))
 
-    def update_one(self, p: Tensor, group: dict, state: dict):
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = self._state_like(p)
-            state["exp_avg_sq"] = self._state_like(p)
-        state["step"] += 1
+    def update(self, params: list, targets: list, group: dict) -> None:
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if "step" not in state:  # (``_target`` may have made the master copy)
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = self._state_like(p)
+                state["exp_avg_sq"] = self._state_like(p)
+            state["step"] += 1
         beta1, beta2 = group["betas"]
-
-        def update(param, grad, group=group, step=state["step"]):
-            return adam_update_(param, grad, state["exp_avg"], state["exp_avg_sq"], float(step),
-                                float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                                weight_decay=group["weight_decay"], maximize=group["maximize"],
-                                decoupled=self.decoupled)
-
-        return self._apply(p, state, update)
+        adam_update_([t for t, _ in targets], [g for _, g in targets],
+                     [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                     [float(s["step"]) for s in states], float(group["lr"]), beta1=beta1,
+                     beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                     maximize=group["maximize"], decoupled=self.decoupled,
+                     **self._implementation(group))
 
 
 class AdamW(Adam):
@@ -273,7 +286,8 @@ class AdamW(Adam):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 zero_stage: int = 0, dp_dim: str = "dp",
-                 master_weights: bool = False):
+                 foreach: bool | None = None, fused: bool | None = None,
+                 zero_stage: int = 0, dp_dim: str = "dp", master_weights: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         zero_stage=zero_stage, dp_dim=dp_dim, master_weights=master_weights)
+                         foreach=foreach, fused=fused, zero_stage=zero_stage, dp_dim=dp_dim,
+                         master_weights=master_weights)

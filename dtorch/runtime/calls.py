@@ -76,7 +76,7 @@ class HostCall:
             raise RuntimeError(
                 f"dtorch internal error: host {host.index} was sent call {call.id} of kind "
                 f"{CallKind(call.kind).name}, which the controller lowers and never sends")
-        flags = call.flags
+        flags = P.bits_of(call.flags)  # (an optimizer's list update writes many operands)
         self.in_specs = [host.specs[i] if i else None for i in call.inputs]
         kernel = build(host, call, self.in_specs)
         self.fn, self.uses_context = kernel.fn, kernel.uses_context
