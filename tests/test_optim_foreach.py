@@ -79,13 +79,14 @@ def test_one_device_is_bit_identical_to_torchs_implementation(name, kwargs, impl
             assert torch.equal(mine, value), (k, key)
 
 
+@pytest.mark.parametrize("impl", [dict(), dict(fused=True)], ids=["foreach", "fused"])
 @pytest.mark.parametrize("name,kwargs", [CASES[1], CASES[4]], ids=["Adam", "SGD"])
-def test_sharded_parameters_on_two_meshes_follow_torch(name, kwargs, mesh1, mesh2):
+def test_sharded_parameters_on_two_meshes_follow_torch(name, kwargs, impl, mesh1, mesh2):
     """Shard/Replicate parameters (uneven shards) on a 3-device and a 2x2 mesh: one update
     call per mesh, values as torch's (elementwise: any layout updates in place)."""
     placements = [(mesh2, [S0, S1]), (mesh1, [S0]), (mesh1, [R]), (mesh2, [R, S1])]
-    expected, _ = torch_run(name, kwargs, dict())
-    got, opt = dtorch_run(name, kwargs, dict(), placements)
+    expected, _ = torch_run(name, kwargs, impl)
+    got, opt = dtorch_run(name, kwargs, impl, placements)
     for k, (p, q) in enumerate(zip(got, expected)):
         torch.testing.assert_close(p.to_torch(), q.detach(), msg=str(k))
     for p, g in zip(got, grads(3)):

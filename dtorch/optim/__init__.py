@@ -3,8 +3,10 @@ param groups and ``state_dict`` format, subclassing ``torch.optim.Optimizer`` so
 ``torch.optim.lr_scheduler`` drives them.
 
 Their state (momentum buffers, moments) is dtorch tensors laid out like their parameters, and
-each step issues one update call per parameter (``optim/kernels.py``: torch's own single-tensor
-arithmetic on each device's blocks) plus the in-place copy into the parameter; nothing waits.
+each step issues one update call per param group and mesh (``optim/kernels.py``: torch's own
+foreach, fused or, with ``foreach=False``, single-tensor arithmetic on each device's list of
+blocks, one call per parameter) plus the copies into parameters updated elsewhere (ZeRO,
+master weights); nothing waits.
 
 >>> import dtorch, torch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
