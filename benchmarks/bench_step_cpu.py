@@ -48,19 +48,40 @@ def cpu_per_step(devices: int, rounds: int, **options) -> dict:
     for k in range(rounds):
         step(k)
     shares = meter.stop()
+    with dtorch.profiler.profile() as prof:  # one more step: what its batches replayed
+        step(rounds)
+        dtorch.sync()
     dtorch.shutdown()
     per_step: dict = {}
     for key, seconds in shares.items():
         who = key.split(":")[0]
         who = "hosts" if who.startswith("host") else who
         per_step[who] = per_step.get(who, 0.0) + seconds / rounds
+    per_step["replay"] = replayed(prof)
     return per_step
+
+
+def replayed(prof) -> tuple:
+    """``(records, windows replayed)`` of a profiled step's batches, from the controller's
+    spans (``passes: N records -> M[, K windows replayed]``)."""
+    from dtorch.profiler import CONTROLLER_PID
+
+    records = windows = 0
+    for e in prof.events:
+        name = e.get("name", "")
+        if e.get("pid") == CONTROLLER_PID and name.startswith("passes: "):
+            records += int(name.split()[1])
+            if "windows replayed" in name:
+                windows += int(name.split(", ")[1].split()[0])
+    return records, windows
 
 
 def line(label: str, shares: dict) -> str:
     parts = ", ".join(f"{k} {shares.get(k, 0.0) * 1e3:7.1f}" for k in
                       ("client", "controller", "hosts"))
-    return f"  {label:28s} {parts}  (ms per step)"
+    records, windows = shares["replay"]
+    return (f"  {label:28s} {parts}  (ms per step; {records} records a step, "
+            f"{windows} windows replayed)")
 
 
 def main(rounds: int, devices: int) -> None:

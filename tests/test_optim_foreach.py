@@ -152,3 +152,18 @@ def test_a_group_of_many_parameters_is_one_call(one):
         opt_t.step()
         assert update_calls(opt_d.step) == ["adam_update_"]
     assert all(torch.equal(p.to_torch(), q.detach()) for p, q in zip(ps, ref))
+
+
+def test_a_state_dict_saved_without_foreach_loads(one):
+    """Groups saved before ``foreach``/``fused`` existed (or by torch without them) keep the
+    optimizer's own options; the step goes on as torch's."""
+    ps, opt = dtorch_run("Adam", dict(lr=0.05), dict(), [(one, [R])] * len(SHAPES), steps=1)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["foreach"], group["fused"]
+    opt.load_state_dict(saved)
+    for p, g in zip(ps, grads(1)):
+        p.grad = dtorch.from_torch(g, one, [R])
+    opt.step()
+    expected, _ = torch_run("Adam", dict(lr=0.05), dict(), steps=2)
+    assert all(torch.equal(p.to_torch(), q.detach()) for p, q in zip(ps, expected))

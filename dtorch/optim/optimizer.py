@@ -74,7 +74,8 @@ class Optimizer(torch.optim.Optimizer):
             if key in params:
                 p = params[key]
                 self.state[p] = {name: self._laid_out(p, v) for name, v in values.items()}
-        self.param_groups = [{**sg, "params": g["params"]} for g, sg in zip(groups, saved)]
+        # (an option the saved groups lack, such as foreach from an older save: the current one)
+        self.param_groups = [{**g, **sg, "params": g["params"]} for g, sg in zip(groups, saved)]
 
     def _laid_out(self, p: Tensor, value):
         """A saved state value for parameter ``p``: a tensor laid out as ``_state_like(p)``
