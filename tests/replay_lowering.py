@@ -28,13 +28,15 @@ KINDS = {  # name -> (number of tensor operands, number of scalar operands, flag
     "all_reduce_": (1, 0, P.COMM | P.INPLACE),  # a collective in place
     "ones": (0, 0, 0),
     "mul_": (1, 1, P.INPLACE),
+    "fwd": (1, 0, P.RECORD),  # a call autograd records (announced by a Recorded record)
+    "vjp": (1, 1, 0),  # its VJP: the tape key (a scalar), the result's gradient
     "neg": (1, 0, 0),  # (the last: its call id is its mesh's largest)
 }
 MESHES = {1: [0, 1], 2: [2, 3]}  # two device sets: waits are recorded per scope
 
 
 def call_id(kind: str, mesh: int) -> int:
-    return 10 * mesh + list(KINDS).index(kind)
+    return 20 * mesh + list(KINDS).index(kind)
 
 
 def make_graph() -> LogicalGraph:
@@ -43,8 +45,9 @@ def make_graph() -> LogicalGraph:
         g.define([P.DEFINE_MESH, mesh, "cpu", [2], devices])
         g.define([P.DEFINE_SPEC, mesh, [4, 4], "float32", mesh, ["S0"]])
         for kind, (tensors, scalars, flags) in KINDS.items():
-            g.define([P.DEFINE_CALL, call_id(kind, mesh), kind,
-                      [mesh] * tensors + [0] * scalars, [mesh], b"", flags])
+            inputs = [0] + [mesh] if kind == "vjp" else [mesh] * tensors + [0] * scalars
+            g.define([P.DEFINE_CALL, call_id(kind, mesh), kind, inputs, [mesh], b"", flags,
+                      P.CallKind.VJP if kind == "vjp" else P.CallKind.OPERATOR])
     return g
 
 
@@ -120,6 +123,14 @@ def statement(b: Builder, kind: str, names: list, site: int, scalar):
         b.release(g)
     elif kind == "negate":  # x = -x
         b.replace(x, b.op("neg", site, m, b.id(x)))
+    elif kind == "train":  # y = fwd(x), recorded under a key; x = vjp(key, y); key dropped
+        key = b.new()
+        y = b.new()
+        b.records.append([P.RECORDED, y, key, 1, 0])
+        b.op("fwd", site, m, b.id(x), out=y)
+        b.replace(x, b.op("vjp", site + 1, m, key, y))
+        b.release(y)
+        b.release(key)
     elif kind == "imul":  # x.mul_(c)
         b.op("mul_", site, m, b.id(x), scalar, out=b.id(x))
     else:
@@ -217,9 +228,9 @@ class Logging(Replayer):
             return True
         return False
 
-    def learn(self, key, window, outside, made, lowered, out):
+    def learn(self, key, window, outside, made, n_scalars, lowered, out):
         self.programs.log[-1] = "lowered alone"
-        super().learn(key, window, outside, made, lowered, out)
+        super().learn(key, window, outside, made, n_scalars, lowered, out)
 
 
 class Forced(dict):
@@ -274,9 +285,12 @@ def expand(g, records) -> list:
             def tensor(ref, made=made, outside=outside):
                 return made[ref] if ref >= 0 else outside[-1 - ref]
 
-            for call, site, stream, outs, operands in d.steps:
+            for call, site, stream, outs, operands, *recorded in d.steps:
                 values = [tensor(r) if spec else scalars[r]
                           for r, spec in zip(operands, g.calls[call].inputs)]
+                if recorded:
+                    (key, needs, gathered), = recorded
+                    out.append([P.RECORDED, tensor(outs[0]), scalars[key], needs, gathered])
                 out.append([P.KERNEL, call, site, stream, *map(tensor, outs), *values])
             alive = set(d.survivors)
             out += [outside[j] for j in d.released]
@@ -290,9 +304,12 @@ def normalized(g, records, initial) -> list:
     """What the hosts are told, in a form that two correct lowerings share: chains as their
     kernels (a chain's links freed after it: they get no blob), and the releases of what the
     hosts hold gathered, sorted, before the next record that is not a kernel (releases of ids no
-    kernel made are dropped: a replay releases its dead code's results too). Fails on a kernel
-    that reads a tensor released before, or one nothing made."""
+    kernel made are dropped: a replay releases its dead code's results too), and each Recorded
+    record as part of the kernel it announces (the passes put it ahead of the chain holding its
+    kernel, a replay's expansion just ahead of the kernel). Fails on a kernel that reads a tensor
+    released before, or one nothing made, and on a Recorded whose kernel never comes."""
     live, freed, out, pending = set(initial), set(), [], []
+    announced: dict = {}  # a Recorded's kernel -> its record
 
     def flush():
         out.extend(sorted(pending))
@@ -306,7 +323,9 @@ def normalized(g, records, initial) -> list:
                 assert t in live, f"{rec} reads {t}, " + ("released" if t in freed else
                                                           "never made")
         live.update(P.op_outs(rec, n))
-        out.append(["kernel", *(("float", repr(v)) if type(v) is float else v for v in rec[1:])])
+        recorded = announced.pop(rec[P.OP_OUTS], None) if n else None
+        out.append(["kernel", *(("float", repr(v)) if type(v) is float else v for v in rec[1:]),
+                    *([("recorded", *recorded[2:])] if recorded else [])])
 
     for rec in records:
         if type(rec) is int:
@@ -314,6 +333,8 @@ def normalized(g, records, initial) -> list:
                 live.discard(rec)
                 freed.add(rec)
                 pending.append(rec)
+        elif rec[0] == P.RECORDED:
+            announced[rec[1]] = list(rec)
         elif rec[0] == P.KERNEL:
             kernel(rec)
         elif rec[0] == P.CHAIN:
@@ -329,6 +350,7 @@ def normalized(g, records, initial) -> list:
             flush()
             out.append(list(rec))
     flush()
+    assert not announced, f"Recorded records of no kernel: {announced}"
     return out
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-from dtorch import config
+from dtorch import config, protocol as P
 from dtorch.controller import replay
 from replay_lowering import (BETWEEN_KINDS, BODY_KINDS, IN_PLACE, Builder, assert_lowered_alike,
                              between, cut, make_graph, probe_and_release, statement)
@@ -329,3 +329,27 @@ def test_random_programs_are_lowered_alike_replayed_or_not():
     # most windows replay, and the rest were exercised too
     assert seen["replayed"] > 3000 and seen["lowered alone"] > 300, seen
     assert seen["lowered with its neighbours"] > 20, seen
+
+
+def test_recorded_calls_and_vjps_replay_as_the_passes_lower_them():
+    """A training-shaped loop (a recorded call announced by its Recorded record, its VJP reading
+    the tape key, the key released) in periodic windows, and the same stretch as a batch of its
+    own repeated (``replay.segment``: seen, cached, then replayed): the Recorded records, keys
+    and kernels as the passes emit them."""
+    b = Builder()
+    variables(b, "x", "y")
+    loop(b, [("train", ["x"]), ("scale", ["y"]), ("train", ["y"])], 30)
+    probe_and_release(b, 90)
+    decisions = assert_lowered_alike(cut(b.records, [40, 200]))
+    assert decisions["replayed"] > 0, decisions
+    steps = []
+    for _ in range(4):  # one step per batch, no period inside: a segment each
+        s = Builder()
+        s.ids = 1000 + 100 * len(steps)
+        variables(s, "x")
+        for k, kind in enumerate(["train", "scale", "train", "negate"]):
+            statement(s, kind, ["x"], 10 * (k + 1), 0.5)
+        s.records.append([P.FETCH, s.id("x"), 99])
+        steps.append(s.records)
+    decisions = assert_lowered_alike(steps)
+    assert decisions["replayed"] == 2 and decisions["lowered alone"] == 1, decisions

@@ -13,8 +13,9 @@ out (``Replayer.run``): no Operator is made and no pass runs.
 When a window is cached (a ``LoweredWindow``) and replayed:
 
     cached     its lowering is the window's own records on one compute stream with no wait:
-               no collective, redistribute, recorded call or VJP, no definition made, and no
-               view it makes outlives it
+               no collective or redistribute, no definition made, no view it makes outliving
+               it, each recorded call right after its Recorded record (the step carries the
+               record's bits; its tape key is a value, as a VJP's key operand is)
     replayed   the passes would insert no wait either (``StreamOrder.replay``): an outside input
                it writes was last written on that stream with no other stream's access since;
                one it reads was last written (a view: and made) on that stream, or on one this
@@ -24,6 +25,10 @@ Replay then moves the stream state on exactly as ``assign_streams`` would have, 
 same rule (``controller/streams.py``): the first lowering of a shape leaves its ``Footprint``,
 where in the window each outside input's storage and each result left alive was last written
 and accessed. (An input only its dead code read is not accessed: the passes dropped that code.)
+
+A batch with no period (a training step: one batch, flushed where the loss is read, repeating
+only from batch to batch) offers its longest run of operators, releases and Recorded records as
+one window (``segment``), cached the second time its shape is seen and replayed from the third.
 
 A replayed window's dead-code elimination and chains stop at its edges (it was lowered alone, as
 was the first window of its shape); windows that do not replay are lowered with their neighbours.
@@ -35,7 +40,7 @@ import itertools
 from typing import NamedTuple
 
 from .. import config, protocol as P
-from ..protocol import COMM, INPLACE, RECORD
+from ..protocol import COMM, INPLACE, RECORD, RECORDED
 from .logical_graph import Operator
 from .passes import Chain
 from .streams import Footprint, compute_stream
@@ -45,6 +50,10 @@ MAX_PERIOD = 2048  # records
 MAX_TRIES = 32  # candidate periods tried per batch (each costs a comparison of the stretch)
 MAX_PROGRAMS = 4096  # cached window shapes; past it the cache starts again
 RELEASE = None  # in a window's key: a release's ref follows
+ANNOUNCED = "recorded"  # in a window's key: a Recorded record's two bit sets follow
+# a Recorded record's key in ``windows``: an int (keys sort) below every other record's
+RECORDED_KEYS, HASH_BITS = -(1 << 62), (1 << 60) - 1
+SEGMENT = 2  # a cut's kind: a run with no period (``segment``), cached the second time seen
 
 
 class LoweredWindow(NamedTuple):
@@ -101,7 +110,7 @@ def phase(calls: dict, records: list, keys: list, start: int, p: int) -> int:
         rec = records[i]
         if type(rec) is int:
             released[rec] = i
-        else:
+        elif rec[0] == P.OP:  # (not a Recorded)
             call = calls[rec[P.OP_CALL]]
             if call.flags & INPLACE:  # its result is its operand, made elsewhere: else the
                 continue  # cut would depend on where in the loop the stretch began
@@ -135,13 +144,16 @@ def windows(records: list, calls: dict) -> list:
     n = len(records)
     if n < MIN_WINDOW:
         return [(0, n, False)]
-    # an operator is its call and site, a release -1, any other record a key of its own
+    # an operator is its call and site, a release -1, a Recorded its bits, any other record a
+    # key of its own
     op, call_at, site_at = P.OP, P.OP_CALL, P.OP_SITE  # (locals: read once per record)
     keys = [-1 if type(r) is int else r[call_at] << 24 | r[site_at] if r[0] == op
-            else -2 - k for k, r in enumerate(records)]
+            else RECORDED_KEYS - (hash((r[3], r[4])) & HASH_BITS) if r[0] == RECORDED
+            else -2 - k
+            for k, r in enumerate(records)]
     found = periodic(keys, MIN_WINDOW)
     if found is None:
-        return [(0, n, False)]
+        return segment(records, keys)
     start, end, p = found
     if end - start >= 3 * p:
         start += phase(calls, records, keys, start, p)
@@ -157,6 +169,23 @@ def windows(records: list, calls: dict) -> list:
     return out
 
 
+def segment(records: list, keys: list) -> list:
+    """The cuts of a batch with no period: its longest run of operators, releases and
+    Recorded records as one ``SEGMENT`` window, when it is long enough. A training step is one
+    batch (flushed where the loss is read) that repeats only from batch to batch."""
+    n, best, start = len(records), (0, 0), 0
+    for k, key in enumerate(keys + [-2]):
+        if RECORDED_KEYS < key < -1:  # another record (not an operator, release or
+            # Recorded): a run ends
+            if k - start > best[1] - best[0]:
+                best = (start, k)
+            start = k + 1
+    a, b = best
+    if b - a < MIN_WINDOW:
+        return [(0, n, False)]
+    return [cut for cut in ((0, a, False), (a, b, SEGMENT), (b, n, False)) if cut[1] > cut[0]]
+
+
 def shape_of(calls: dict, records: list):
     """``(key, outside, made, scalars)`` of a window. ``key`` tells its shape: each record's
     call and site, and the *ref* of each tensor operand, result and release (k >= 0: the
@@ -166,7 +195,7 @@ def shape_of(calls: dict, records: list):
     refs: dict = {}  # id -> its ref
     outside, made, scalars, key = [], [], [], []
     add = key.append
-    call_at, site_at, first_out = P.OP_CALL, P.OP_SITE, P.OP_OUTS
+    call_at, site_at, first_out, op = P.OP_CALL, P.OP_SITE, P.OP_OUTS, P.OP
     # a ref's lookup is spelled out where it is needed, not a function: this runs for every
     # tensor of every record of a window, and is most of what a replay costs the controller
     for rec in records:
@@ -177,6 +206,12 @@ def shape_of(calls: dict, records: list):
                 outside.append(rec)
             add(RELEASE)
             add(ref)
+            continue
+        if rec[0] != op:  # a Recorded (``graph_of``: its kernel is the next record): its
+            add(ANNOUNCED)  # bits are the shape, its tape key a value
+            add(rec[3])
+            add(rec[4])
+            scalars.append(rec[2])
             continue
         reads, scalars_at, end_out = calls[rec[call_at]].places
         add(rec[call_at])
@@ -206,9 +241,13 @@ def _refs(calls: dict, records: list, outside: list, made: list) -> dict:
     numbered them (``outside`` and ``made`` are its lists)."""
     refs = {t: -1 - j for j, t in enumerate(outside)}
     refs.update((t, k) for k, t in enumerate(made))
-    n_scalars, out = 0, {}
+    n_scalars, out, recorded = 0, {}, None
     for i, rec in enumerate(records):
         if type(rec) is int:
+            continue
+        if rec[0] == RECORDED:  # its key: the next scalar; it announces the next record
+            recorded = [n_scalars, rec[3], rec[4]]
+            n_scalars += 1
             continue
         call = calls[rec[P.OP_CALL]]
         n_out = len(call.outputs)
@@ -219,7 +258,8 @@ def _refs(calls: dict, records: list, outside: list, made: list) -> dict:
             else:
                 operands.append(n_scalars)
                 n_scalars += 1
-        out[i] = ([refs[t] for t in P.op_outs(rec, n_out)], operands)
+        out[i] = ([refs[t] for t in P.op_outs(rec, n_out)], operands, recorded)
+        recorded = None
     return out
 
 
@@ -234,6 +274,9 @@ class Replayer:
         self.fit: dict = {}  # call id -> whether a window with it may replay
         self.replayed = 0  # windows replayed in the last batch (for its trace span)
         self.held: list = []  # the last batch's records after its last window (``run``)
+        self.seen: set = set()  # segment shapes seen once (``segment``)
+        self.lowered_windows = 0  # windows lowered so far (``learn``), and replayed
+        self.replayed_windows = 0
 
     def run(self, records: list, out: list, hold: bool = False) -> None:
         """Appends the host records of a batch's ``records`` (definitions taken out; operators
@@ -269,14 +312,25 @@ class Replayer:
                     program, outside, made):
                 out.append([P.REPLAY, program.id, *outside, *made, *scalars])
                 self.replayed += 1
+                self.replayed_windows += 1
                 continue
-            if program is not None:  # lowered with its neighbours
-                pending += window
+            if program is not None or is_window == SEGMENT and self.first_sight(key):
+                pending += window  # lowered with its neighbours
                 continue
             lowered = self.passes(self.nodes(window))
-            self.learn(key, window, outside, made, lowered, out)
+            self.learn(key, window, outside, made, len(scalars), lowered, out)
             out += self.encode(lowered)
         self.lower(pending, out)
+
+    def first_sight(self, key) -> bool:
+        """Whether a segment of shape ``key`` is seen for the first time: a batch that does not
+        repeat is not worth a program."""
+        if key in self.seen:
+            return False
+        if len(self.seen) >= MAX_PROGRAMS:
+            self.seen.clear()
+        self.seen.add(key)
+        return True
 
     def lower(self, pending: list, out: list) -> None:
         """The records waiting in ``pending`` through the passes, into ``out``."""
@@ -286,21 +340,36 @@ class Replayer:
 
     def graph_of(self, window: list) -> int | None:
         """The graph whose operators make up ``window``, or None when it cannot replay: its
-        operators come from several graphs (threads issuing at once), or one of its calls is
-        a collective, a redistribute, a recorded call or a VJP (known from the calls, so such
-        a window costs no shape)."""
+        operators come from several graphs (threads issuing at once), one of its calls is a
+        collective or a redistribute (known from the calls, so such a window costs no shape),
+        or a Recorded record is not followed by the kernel it announces."""
         fit, op, graph = self.fit, P.OP, None
-        for r in window:
-            if type(r) is not int and r[0] == op:
+        for k, r in enumerate(window):
+            if type(r) is not int and r[0] == RECORDED:
+                after = window[k + 1] if k + 1 < len(window) else None
+                if type(after) is int or after is None or after[0] != op or \
+                        after[P.OP_OUTS] != r[1]:
+                    return None
+            elif type(r) is not int and r[0] == op:
                 if graph is None:
                     graph = r[P.OP_STREAM]
                 elif r[P.OP_STREAM] != graph:
                     return None
                 ok = fit.get(r[P.OP_CALL])
+                if ok is RECORD:  # its Recorded must be in the window, just before it
+                    before = window[k - 1] if k else None
+                    if type(before) is int or before is None or before[0] != RECORDED:
+                        return None
+                    continue
                 if ok is None:
                     call = self.graph.calls[r[P.OP_CALL]]
-                    ok = fit[call.id] = not (call.flags & (COMM | RECORD)
-                                             or call.kind != P.CallKind.OPERATOR)
+                    ok = fit[call.id] = not call.flags & COMM and call.kind in (
+                        P.CallKind.OPERATOR, P.CallKind.VJP)
+                    if ok and call.flags & RECORD:
+                        fit[call.id] = RECORD
+                        before = window[k - 1] if k else None
+                        if type(before) is int or before is None or before[0] != RECORDED:
+                            return None
                 if not ok:
                     return None
         return graph
@@ -312,8 +381,8 @@ class Replayer:
                 for r in records]
 
     # -- caching (a miss) -----------------------------------------------------------------------
-    def learn(self, key, window: list, outside: list, made: list, lowered: list,
-              out: list) -> None:
+    def learn(self, key, window: list, outside: list, made: list, n_scalars: int,
+              lowered: list, out: list) -> None:
         """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies, and
         defines it to the hosts (through ``out``, and for hosts that start later, the graph's
         definitions)."""
@@ -324,6 +393,9 @@ class Replayer:
         for node in lowered:
             if type(node) is int:
                 continue  # a release: the hosts free what the window made at its last use
+            if type(node) is not Chain and type(node) is not Operator and \
+                    node[0] == RECORDED:
+                continue  # its kernel's step carries it (``_refs``)
             members = node.members if type(node) is Chain else [node] if type(node) is \
                 Operator else None
             if members is None:  # a definition, or another record: not a pure window
@@ -331,8 +403,9 @@ class Replayer:
             for m in members:  # (its calls may replay: ``graph_of``)
                 if m.waits or id(m.rec) not in index or m.stream != stream:
                     return
-                outs, operands = refs[index[id(m.rec)]]
-                steps.append([m.call.id, m.site, stream, outs, operands])
+                outs, operands, recorded = refs[index[id(m.rec)]]
+                steps.append([m.call.id, m.site, stream, outs, operands, *(
+                    [recorded] if recorded else [])])
             kernels += members
         released = {r for r in window if type(r) is int}
         if len(self.programs) >= MAX_PROGRAMS:
@@ -343,8 +416,7 @@ class Replayer:
             return
         program = LoweredWindow(next(self.program_ids), footprint)
         self.programs[key] = program
-        n_scalars = sum(1 for rec in window if type(rec) is not int for spec in
-                        self.graph.calls[rec[P.OP_CALL]].inputs if not spec)
+        self.lowered_windows += 1
         definition = list(P.DefineProgram(
             P.DEFINE_PROGRAM, program.id, len(outside), len(made), n_scalars, steps,
             [k for k, _, _ in footprint.results], sorted(footprint.released)))

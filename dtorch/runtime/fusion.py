@@ -356,7 +356,8 @@ class Fuser:
             steps, name = [graph], name + ", captured as a CUDA graph"
         if fused or graph is not None:
             # the main thread's next replay with these scalars runs it
-            hot.fused = Lowering(steps, hot.plain.reads, hot.plain.survivors)
+            hot.fused = Lowering(steps, hot.plain.reads, hot.plain.survivors,
+                                 hot.plain.slots)
         tracer = self.host.tracer
         if tracer is not None:
             tracer.events.append((name, probe.dev.index, P.FUSION_TRACK, t0, time.time_ns(), 0))

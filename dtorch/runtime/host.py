@@ -37,7 +37,7 @@ from .devices import Device
 from .execute import PREV, KernelRun
 from .failures import Failure, tell
 from .fusion import Fuser
-from .program import HostProgram, ProgramRun
+from .program import HostProgram, ProgramRun, slots_of
 from .stream import Blob, Event, TraceRecorder
 from .vjp import Saved
 
@@ -204,7 +204,12 @@ class Host:
                         if p is not None:  # nothing copied: the compiler gives it up
                             p.done()
                     for r in program.expand(rec):
-                        self.on_release(r) if type(r) is int else self.on_kernel(r)
+                        if type(r) is int:
+                            self.on_release(r)
+                        elif r[0] == P.RECORDED:
+                            self.on_recorded(r)
+                        else:
+                            self.on_kernel(r)
                     return
             runs.append((dev, lowering, outside, probe, hot))
         for dev, lowering, outside, probe, hot in runs:
@@ -214,9 +219,11 @@ class Host:
                 if dev in out_devices:
                     dev.blobs[made[k]] = survivors[k] = Blob(spec, memory=dev.memory)
                     self.owners[made[k]] = out_devices
+            slots = slots_of(lowering, self.graphs, dev.index, scalars) if lowering.slots \
+                else ()
             dev.stream(program.stream).put(
                 ProgramRun(lowering, outside, survivors, (outside_ids, made), scalars, self, probe,
-                           hot))
+                           hot, slots))
         for j in program.released:
             self.on_release(outside_ids[j])
 

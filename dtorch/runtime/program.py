@@ -29,8 +29,11 @@ import time
 from .. import protocol as P
 from .execute import Runner
 from .failures import Failure, first_failure, tell
+from .vjp import Saved
 
-MADE, OUTSIDE, SCALAR = 0, 1, 2  # where a step's operand comes from (ProgramRun._run's index)
+# where a step's operand comes from (ProgramRun._run's index); SLOT: the run's autograd slots
+# and bits (``Lowering.slots``), made on the host's main thread when the replay is queued
+MADE, OUTSIDE, SCALAR, SLOT = 0, 1, 2, 3
 # runs of a lowering before it is generated: compiling costs about 45 µs a step on the stream
 # thread, what some 35 runs save
 STRAIGHT_AFTER = 32
@@ -39,10 +42,11 @@ STRAIGHT_AFTER = 32
 class ProgramStep:
     """One kernel of a program on one device."""
 
-    __slots__ = ("call", "ctx", "sources", "site", "outs", "frees", "original")
+    __slots__ = ("call", "ctx", "sources", "site", "outs", "frees", "original", "slot")
 
-    def __init__(self, call, ctx, sources, site, outs):
+    def __init__(self, call, ctx, sources, site, outs, slot=None):
         self.call, self.ctx, self.sources, self.site, self.outs = call, ctx, sources, site, outs
+        self.slot = slot  # a recorded call's: where its Saved slot is in the run's slots
         self.frees = ()  # the results (by number) last needed by this step
         self.original = None  # a fused step's kernels, one by one (runtime/fusion.py)
 
@@ -69,8 +73,9 @@ class HostProgram:
         d = P.DefineProgram(*rec)
         self.n_outside, self.n_made, self.n_scalars = d.n_outside, d.n_made, d.n_scalars
         self.definition = d
-        self.steps = [(host.calls[call], site, stream, outs, operands)
-                      for call, site, stream, outs, operands in d.steps]
+        # (a recorded call's step carries its Recorded: [key's scalar, needs, gathered])
+        self.steps = [(host.calls[call], site, stream, outs, operands, *recorded)
+                      for call, site, stream, outs, operands, *recorded in d.steps]
         self.stream = self.steps[0][2] if self.steps else 0
         self.survivors = d.survivors
         self.released = d.released
@@ -81,15 +86,15 @@ class HostProgram:
         self.devices = list(devices.values())
         # each survivor's spec, and the devices holding its blob (its kernel's result mesh)
         self.survivor_specs = {}
-        for call, _, _, outs, _ in self.steps:
+        for call, _, _, outs, *_ in self.steps:
             for ref, spec in zip(outs, call.out_specs):
                 if ref >= 0:
                     self.survivor_specs[ref] = (spec, call.out_devices)
 
     def lower(self, dev) -> Lowering:
         """This program on ``dev`` (the host keeps it: ``fusion.Hot``)."""
-        steps, reads = [], set()
-        for call, site, _, outs, operands in self.steps:
+        steps, reads, slots = [], set(), []
+        for call, site, _, outs, operands, *recorded in self.steps:
             if dev not in call.devices:
                 continue
             sources = []
@@ -104,10 +109,20 @@ class HostProgram:
             for ref in outs:  # an in-place kernel's result is its (outside) operand
                 if ref < 0:
                     reads.add(-1 - ref)
+            slot = None
+            if call.saves:  # its graph into a new slot, after its operands (``vjp.recording``)
+                (key, needs, gathered), = recorded
+                slot = len(slots)
+                sources += [(SLOT, slot), (SLOT, slot + 1), (SLOT, slot + 2)]
+                slots += [(MAKE, key, None), (BITS, P.bits_of(needs), None),
+                          (BITS, P.bits_of(gathered), None)]
+            elif call.reads_saved:  # its key operand becomes the slot its forward filled
+                sources[0] = (SLOT, len(slots))
+                slots.append((FIND, operands[0], call.kwargs["retain"]))
             steps.append(ProgramStep(call, call.context(dev) if call.uses_context else None,
-                              tuple(sources), site, tuple(outs)))
+                                     tuple(sources), site, tuple(outs), slot))
         mark_frees(steps)
-        return Lowering(steps, sorted(reads), self.survivors)
+        return Lowering(steps, sorted(reads), self.survivors, tuple(slots))
 
     def expand(self, rec) -> list:
         """A Replay record of this program as the records it stands for: its kernels, then the
@@ -119,10 +134,13 @@ class HostProgram:
             return made[ref] if ref >= 0 else outside[-1 - ref]
 
         records = []
-        for (call, _, _, _, _), (call_id, site, stream, outs, operands) in zip(self.steps,
-                                                                                 d.steps):
+        for (call, *_), (call_id, site, stream, outs, operands, *recorded) in zip(self.steps,
+                                                                                  d.steps):
             values = [tensor(r) if is_tensor else scalars[r]
                       for r, is_tensor in zip(operands, call.mask)]
+            if recorded:
+                (key, needs, gathered), = recorded
+                records.append([P.RECORDED, tensor(outs[0]), scalars[key], needs, gathered])
             records.append([P.KERNEL, call_id, site, stream, *map(tensor, outs), *values])
         alive = set(d.survivors)
         records += [outside[j] for j in d.released]
@@ -136,16 +154,22 @@ class HostProgram:
         return rec[2:a], rec[a:b], rec[b:]
 
 
+MAKE, BITS, FIND = 0, 1, 2  # a run's slot entry: a new Saved, bits, or the slot a key names
+
+
 class Lowering:
     """A program's ``steps`` on one device, the outside inputs they read (``reads``, by number)
     and the results that outlive the program (``survivors``, by number); ``fast``: the steps as
-    one generated function (``straight_line``), made on run ``STRAIGHT_AFTER``."""
+    one generated function (``straight_line``), made on run ``STRAIGHT_AFTER``. ``slots``: what
+    each run's autograd entries are (``slots_of``): ``(MAKE, key's scalar, _)`` a recorded
+    call's new slot, ``(BITS, bits, _)`` its bits, ``(FIND, key's scalar, retain)`` the slot a
+    VJP reads."""
 
-    __slots__ = ("steps", "reads", "survivors", "fast", "runs")
+    __slots__ = ("steps", "reads", "survivors", "fast", "runs", "slots")
 
-    def __init__(self, steps: list, reads: list, survivors):
+    def __init__(self, steps: list, reads: list, survivors, slots=()):
         self.steps, self.reads, self.survivors = steps, reads, frozenset(survivors)
-        self.fast, self.runs = None, 0
+        self.fast, self.runs, self.slots = None, 0, slots
 
     def fast_function(self):
         """``fast``, or None while it is not worth the compile. Called on the stream thread
@@ -157,14 +181,35 @@ class Lowering:
         return self.fast
 
 
+def slots_of(lowering: Lowering, graphs: dict, dev_index: int, scalars) -> list:
+    """A run's autograd entries (``Lowering.slots``), made in program order on the host's main
+    thread as ``Host.saved_slots`` makes a kernel's: a recorded call's slot is kept under its
+    tape key in ``graphs`` (the host's), a VJP's found there (and let go unless retained)."""
+    out = []
+    for kind, value, retain in lowering.slots:
+        if kind == BITS:
+            out.append(value)
+        elif kind == MAKE:
+            slot = Saved()
+            graphs.setdefault(scalars[value], {})[dev_index] = slot
+            out.append(slot)
+        else:
+            key = scalars[value]
+            table = graphs.get(key, {})
+            out.append(table.get(dev_index) if retain else table.pop(dev_index, None))
+            if not table:
+                graphs.pop(key, None)
+    return out
+
+
 def straight_line(steps: list, reads: list, survivors):
-    """``steps`` unrolled into ``run(outside, scalars, blobs, values)``, which does what
+    """``steps`` unrolled into ``run(outside, scalars, blobs, values, slots)``, which does what
     ``ProgramRun._run`` does for a run without failures: each kernel called on its operands
     (``values[k]``, ``outside[j].tensor``, ``scalars[k]``), its results stored, survivors' blobs
     holding theirs, each temporary dropped after its last use. It returns None, or where the
     loop must take over: ``(0, None)`` before any kernel when an outside input carries an error,
     ``(n, exception)`` when step ``n``'s kernel raised (its results not stored)."""
-    env, lines = {}, ["def run(outside, scalars, blobs, values):"]
+    env, lines = {}, ["def run(outside, scalars, blobs, values, slots):"]
     lines += [f"    if outside[{j}].error is not None: return 0, None" for j in reads]
     lines += ["    n = 0", "    try:"]
     for n, step in enumerate(steps):
@@ -174,7 +219,8 @@ def straight_line(steps: list, reads: list, survivors):
         if step.ctx is not None:
             env[f"ctx{n}"] = step.ctx
         args += [f"values[{k}]" if kind == MADE else f"outside[{k}].tensor" if kind == OUTSIDE
-                 else f"scalars[{k}]" for kind, k in step.sources]
+                 else f"scalars[{k}]" if kind == SCALAR else f"slots[{k}]"
+                 for kind, k in step.sources]
         if call.kwargs:
             env[f"kwargs{n}"] = call.kwargs
             args.append(f"**kwargs{n}")
@@ -203,13 +249,15 @@ class ProgramRun(Runner):
     program's fusion.Hot, whose ``spent`` the run's time is added to, while the program may
     still become hot (else None)."""
 
-    __slots__ = ("lowering", "outside", "blobs", "ids", "scalars", "host", "probe", "hot")
+    __slots__ = ("lowering", "outside", "blobs", "ids", "scalars", "host", "probe", "hot",
+                 "slots")
     waits = None  # a replayed window waits for nothing (the controller made sure)
 
-    def __init__(self, lowering, outside, blobs, ids, scalars, host, probe=None, hot=None):
+    def __init__(self, lowering, outside, blobs, ids, scalars, host, probe=None, hot=None,
+                 slots=()):
         self.lowering, self.outside, self.blobs = lowering, outside, blobs
         self.ids, self.scalars, self.host, self.probe = ids, scalars, host, probe
-        self.hot = hot
+        self.hot, self.slots = hot, slots  # (slots: ``slots_of``)
 
     @property
     def trace_name(self) -> str:
@@ -239,7 +287,7 @@ class ProgramRun(Runner):
         if fast is None:
             self._run(steps, values, self.probe)
             return
-        stop = fast(self.outside, self.scalars, self.blobs, values)
+        stop = fast(self.outside, self.scalars, self.blobs, values, self.slots)
         if stop is None:
             return
         n, raised = stop  # the loop goes on from there
@@ -252,7 +300,7 @@ class ProgramRun(Runner):
 
     def _run(self, steps, values, probe) -> None:
         outside = self.outside
-        where = (values, outside, self.scalars)  # by a source's kind: MADE, OUTSIDE, SCALAR
+        where = (values, outside, self.scalars, self.slots)  # by a source's kind
         run_step, store = self.run_step, self._store
         for index, step in enumerate(steps):
             if probe is not None:
@@ -280,6 +328,8 @@ class ProgramRun(Runner):
         blobs that hold them; then the temporaries it read last are dropped."""
         if type(result) is Failure:
             results = [result] * len(step.outs)
+            if step.slot is not None:  # a recorded call that did not run: its VJP fails
+                self.slots[step.slot].error = result
         elif len(step.outs) == 1:
             results = (result,)
         else:
