@@ -274,7 +274,7 @@ class Replayer:
         self.fit: dict = {}  # call id -> whether a window with it may replay
         self.replayed = 0  # windows replayed in the last batch (for its trace span)
         self.held: list = []  # the last batch's records after its last window (``run``)
-        self.seen: set = set()  # segment shapes seen once (``segment``)
+        self.segments_seen: set = set()  # segment shapes seen once (``segment``)
         self.lowered_windows = 0  # windows lowered so far (``learn``), and replayed
         self.replayed_windows = 0
 
@@ -325,11 +325,11 @@ class Replayer:
     def first_sight(self, key) -> bool:
         """Whether a segment of shape ``key`` is seen for the first time: a batch that does not
         repeat is not worth a program."""
-        if key in self.seen:
+        if key in self.segments_seen:
             return False
-        if len(self.seen) >= MAX_PROGRAMS:
-            self.seen.clear()
-        self.seen.add(key)
+        if len(self.segments_seen) >= MAX_PROGRAMS:
+            self.segments_seen.clear()
+        self.segments_seen.add(key)
         return True
 
     def lower(self, pending: list, out: list) -> None:
