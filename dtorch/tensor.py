@@ -25,6 +25,10 @@ import torch
 
 from .placement import get_placements_from_dict, placements_str
 
+# leaf id -> ``settle(leaf, read)`` for a gradient a backward holds unreduced while the leaf's
+# sync is off (``autograd/grad_sync.py``): a read of ``.grad`` reduces it in, an assignment
+# drops it
+DEFERRED_GRADS: dict = {}
 DTYPES = {str(d)[6:]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -126,13 +130,23 @@ class Tensor:
     # -- autograd (``dtorch/autograd``) ----------------------------------------------------------
     @property
     def grad(self):
-        """The gradient ``backward`` accumulated into this leaf, laid out as it; None before."""
+        """The gradient ``backward`` accumulated into this leaf, laid out as it; None before.
+        One held unreduced while its sync was off (``autograd/grad_sync.py``) is reduced in
+        first."""
+        if DEFERRED_GRADS:
+            settle = DEFERRED_GRADS.get(self._id)
+            if settle is not None:
+                settle(self, True)
         return getattr(self, "_grad", None)
 
     @grad.setter
     def grad(self, value) -> None:
         if value is not None:
             check_grad(self, value)
+        if DEFERRED_GRADS:  # what is held is replaced, as torch's local gradient would be
+            settle = DEFERRED_GRADS.get(self._id)
+            if settle is not None:
+                settle(self, False)
         self._grad = value
 
     @property

@@ -6,18 +6,23 @@ Needs transformers (for the config): ``pip install -e ".[llama]"``.
     python examples/train_llama.py --dp 2 --tp 2         # 4 devices
     python examples/train_llama.py --pp 2 --zero 1 --dp 2
     python examples/train_llama.py --dp 2 --zero 3       # parameters sharded (fully_shard)
+    python examples/train_llama.py --dp 2 --accum 4      # 4 micro-batches a step, one reduction
 
 Each sample is ``prefix, prefix`` (random tokens, then the same again): the second half is
 predictable from the first, so the loss on it falls from ln(vocab) towards 0 as the model learns
 to copy. The loop is the one a torch user writes; ``loss.item()`` (every ``--log-every`` steps) is
-the only wait. At the end the model is saved (``save_checkpoint`` plus the HF config) and
+the only wait, and the throughput (tokens a second) is measured between those waits. With
+``--accum K`` each step's batch runs as K micro-batches, the first K - 1 inside DDP's
+``model.no_sync()``, so the gradients are reduced once a step. At the end the model is saved (``save_checkpoint`` plus the HF config) and
 reloaded with ``LlamaForCausalLM.from_pretrained``, which must give the same logits.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import tempfile
+import time
 
 import torch
 import transformers
@@ -37,6 +42,8 @@ def main() -> None:
                         help="ZeRO stage (3: the model fully_shard'ed, layer by layer)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches a step (gradient accumulation; divides --batch)")
     parser.add_argument("--half", type=int, default=8, help="tokens to copy")
     parser.add_argument("--vocab", type=int, default=32)
     parser.add_argument("--log-every", type=int, default=10)
@@ -59,29 +66,40 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps)
     g = torch.Generator().manual_seed(1)
 
+    if args.batch % args.accum:
+        parser.error(f"--accum {args.accum} does not divide --batch {args.batch}")
+    micro = args.batch // args.accum
+    tokens_per_step = args.batch * (2 * args.half - 1)
+
     first = None
+    since, start, rates = 0, time.perf_counter(), []
     bar = tqdm(range(args.steps), desc="train", unit="step")
     for step in bar:
         prefix = torch.randint(0, args.vocab, (args.batch, args.half), generator=g)
         seq = torch.cat([prefix, prefix], dim=1)
-        inputs = model.place_tokens(seq[:, :-1])  # the batch Shard(0) on dp
-        logits = model(inputs)  # predicts token t + 1 from tokens <= t, laid out as inputs
-        # the loss on the copied half only: the first half is random, nothing to learn there
-        predicted = logits[:, args.half - 1:].flatten(0, 1)
-        target = dtorch.from_torch(seq[:, args.half:], device_mesh=inputs.device_mesh,
-                                   placements=inputs.placements).flatten()
-        loss = F.cross_entropy(predicted, target)
-        loss.backward()
+        for k in range(args.accum):
+            # the last micro-batch's backward reduces the gradients the others summed
+            sync = contextlib.nullcontext() if k == args.accum - 1 else model.no_sync()
+            with sync:
+                loss = micro_loss(model, seq[k * micro:(k + 1) * micro], args.half) / args.accum
+                loss.backward()
         dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         sched.step()
+        since += 1
         if step % args.log_every == 0 or step == args.steps - 1:
-            value = loss.item()
+            value = loss.item() * args.accum  # the last micro-batch's loss: the wait of the step
+            now = time.perf_counter()
+            rate = since * tokens_per_step / (now - start)
+            rates += [rate] if step else []  # the first includes the runtime's start
+            since, start = 0, now
             first = value if first is None else first
-            bar.set_postfix(loss=f"{value:.3f}")
+            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{rate:,.0f}")
+    median = sorted(rates)[len(rates) // 2] if rates else float("nan")
     print(f"loss: {first:.3f} at the start (ln {args.vocab} = {math.log(args.vocab):.3f}), "
-          f"{value:.3f} after {args.steps} steps")
+          f"{value:.3f} after {args.steps} steps; {median:,.0f} tokens/s "
+          f"(median over logging intervals, {tokens_per_step} tokens a step)")
 
     out = args.out or tempfile.mkdtemp(prefix="dtorch-llama-")
     dtorch.save_checkpoint(model, out)
@@ -91,6 +109,17 @@ def main() -> None:
     with torch.no_grad():
         same = torch.equal(model(probe).to_torch(), reloaded(probe).to_torch())
     print(f"saved to {out} ({len(os.listdir(out))} files); reloaded logits equal: {same}")
+
+
+def micro_loss(model, seq, half: int):
+    """The mean cross-entropy of predicting the copied half of ``seq`` (a micro-batch)."""
+    inputs = model.place_tokens(seq[:, :-1])  # the batch Shard(0) on dp
+    logits = model(inputs)  # predicts token t + 1 from tokens <= t, laid out as inputs
+    # the loss on the copied half only: the first half is random, nothing to learn there
+    predicted = logits[:, half - 1:].flatten(0, 1)
+    target = dtorch.from_torch(seq[:, half:], device_mesh=inputs.device_mesh,
+                               placements=inputs.placements).flatten()
+    return F.cross_entropy(predicted, target)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch
 from .. import protocol as P
 from ..client import dispatch, session
 from ..buckets import Buckets, coalescing, laid_out
+from . import grad_sync
 from ..placement import Partial, Replicate, Shard
 from ..spec import intern_spec
 from ..protocol import COMM, RECORD, wire_bits
@@ -377,6 +378,8 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
             return {i: laid_out(g, wanted[i]._spec) for i, g in found.items()}
         for leaf, g in leaves.values():  # roots that are leaves themselves
             _land(buckets, leaf, g)
+        for leaf, g in grad_sync.take_synced():  # held while their sync was off, not reached
+            buckets.add(leaf, g, _grad_spec(leaf))
         buckets.flush()
     return {}
 
@@ -393,9 +396,22 @@ def _land(buckets, leaf, g) -> None:
     reductions that coalesce (a data-parallel weight's all-reduce, ZeRO-2/3's reduce-scatter)
     wait in a bucket (``buckets.Buckets``), so small gradients pay one collective's
     latency, not one each, and a full bucket's runs on the communication stream while the rest
-    of the backward computes."""
+    of the backward computes. While the leaf's sync is off, one that needs a reduction is held
+    unreduced instead (``grad_sync``)."""
     if leaf.requires_grad:
+        spec = _grad_spec(leaf)
+        g = grad_sync.settle(leaf, g, spec, _add, land_now)
+        if g is not None:
+            buckets.add(leaf, g, spec)
+
+
+def land_now(leaf, g) -> None:
+    """``g`` into ``leaf.grad`` by its own reduction (a held gradient read before a backward
+    settles it)."""
+    buckets = Buckets(_accumulate)
+    with torch.no_grad():
         buckets.add(leaf, g, _grad_spec(leaf))
+        buckets.flush()
 
 
 def _accumulate(leaf, g) -> None:

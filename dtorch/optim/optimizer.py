@@ -97,12 +97,11 @@ class Optimizer(torch.optim.Optimizer):
         becomes 0, and a failed gradient a usable one)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        with torch.no_grad():
-                            p.grad.zero_()
+                if set_to_none:  # (assigned without a read: a gradient held unreduced
+                    p.grad = None  # while its sync was off is dropped, not reduced first)
+                elif p.grad is not None:
+                    with torch.no_grad():
+                        p.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):

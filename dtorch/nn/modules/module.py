@@ -34,6 +34,7 @@ import threading
 import torch
 from torch.nn.modules import module as _torch_module
 
+from ...autograd import grad_sync
 from ...mesh import DeviceMesh
 from ...ops.conversion import source_placements, to_arguments
 from ...ops.creation import from_torch
@@ -144,6 +145,20 @@ class Module(torch.nn.Module):
         for table in ("_buffers", "_modules"):
             self.__dict__.get(table, {}).pop(name, None)
         self.__dict__.get("_non_persistent_buffers_set", set()).discard(name)
+
+    def no_sync(self):
+        """DDP's ``no_sync()``: backwards inside it sum this module's data-parallel gradients on
+        their devices without reducing them; the first backward after it reduces the sum once
+        (``autograd/grad_sync.py``). Reading ``.grad`` meanwhile reduces what is summed so far:
+        dtorch's ``.grad`` is always the whole gradient, not a device's share."""
+        return grad_sync.no_sync(self.parameters())
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """FSDP2's switch, the same mechanism as ``no_sync`` for this module's parameters
+        (``recurse=False``: its own only) until switched back on."""
+        grad_sync.switch(("module", id(self), recurse), self.parameters(recurse=recurse),
+                         requires_gradient_sync)
 
     def get_parameter(self, target: str):
         """torch's ``get_parameter`` (``"layers.0.weight"``), for dtorch Parameters too: HF's
