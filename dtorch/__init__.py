@@ -34,6 +34,7 @@ from .memory_stats import MemoryStat, MemoryStats
 from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
 from .ops.conversion import parser_tensor_to_function_arg as _parse_to_arguments
 from .ops.creation import manual_seed
+from .ops.random_fill import get_rng_state, set_rng_state
 from .client.user_ops import register_op
 from .ops.extension import local_map
 from .placement import Partial, Placement, Replicate, Shard

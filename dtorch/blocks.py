@@ -7,6 +7,9 @@ sub-split dim is several, taken and put in the order the block holds them.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from .placement import join_order, select_order
@@ -34,6 +37,33 @@ def block_of(full: torch.Tensor, pieces) -> torch.Tensor:
         if ranges != ((0, full.shape[d]),):
             full = cut(full, d, ranges)
     return full
+
+
+SCRATCH_BYTES = 1 << 20  # a whole tensor drawn for a block of it is mapped apart from here up
+
+
+def block_of_whole(shape, dtype, pieces, fill, out=None) -> torch.Tensor:
+    """The block ``pieces`` names of a whole tensor (``shape``, ``dtype``) that ``fill(t)``
+    writes into ``t`` (a random draw: its values depend on the whole shape, so the whole is
+    drawn to keep a block); copied into ``out`` when given. A whole tensor of a MiB or more that
+    is not the block itself is drawn into an anonymous mapping that goes back to the system as
+    the block is taken: from malloc, a host that keeps freed blocks
+    (``runtime/cpu_memory.py``) would keep it, several times a model's share when its layers
+    are initialized one by one."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    whole_is_block = all(ranges == ((0, n),) for ranges, n in zip(pieces, shape))
+    if whole_is_block and out is not None:
+        return fill(out)
+    if whole_is_block or nbytes < SCRATCH_BYTES:
+        whole = torch.empty(shape, dtype=dtype)
+    else:  # (unmapped once nothing refers to the tensor on it)
+        whole = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype,
+                                 count=math.prod(shape)).view(shape)
+    fill(whole)
+    block = block_of(whole, pieces)
+    if out is not None:
+        return out.copy_(block)
+    return block if whole_is_block else block.clone()
 
 
 def join(blocks, dim: int, blocks_pieces) -> torch.Tensor:

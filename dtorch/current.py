@@ -14,6 +14,9 @@ ask it what the user's thread is doing instead of importing the client.
   default graph is 0.
 - **Defaults.** The mesh and dtype of tensors made without one: the current graph's
   (``default_mesh``, ``default_dtype``; a graph's guards set them).
+- **Deferred values.** Inside ``dtorch.nn.init_empty()`` (counted per thread, ``deferring``)
+  or torch's ``with torch.device("meta"):``, factories of arbitrary or random values make
+  tensors without values and the random fills draw nothing (``ops/random_fill.py``).
 - **The session**, as an opaque handle: ``session()`` is the running runtime's session (started on
   first use), as the client hands it in (``plug_session``); callers use only what they are given
   (``sync``, ``sync_async``, ``trace``...), never the client's modules.
@@ -60,6 +63,7 @@ class ThreadGraphs(threading.local):
         self.default_id = new_graph_id()
         self.stack: list = []
         self._default = None
+        self.deferring = 0  # ``dtorch.nn.init_empty()`` contexts entered and not left
 
     @property
     def default(self):
@@ -99,6 +103,16 @@ def graph_or_current(graph, name: str):
         raise TypeError(f"dtorch.{name}: graph must be a dtorch.Graph, got "
                         f"{type(graph).__name__}")
     return graph
+
+
+def deferring() -> bool:
+    """Whether the calling thread makes parameters without values: inside
+    ``dtorch.nn.init_empty()``, or inside torch's ``with torch.device("meta"):``."""
+    if per_thread.deferring:
+        return True
+    import torch  # (torch's default device: read only here, where it is rarely asked)
+
+    return torch.get_default_device().type == "meta"
 
 
 def cpu0() -> DeviceMesh:

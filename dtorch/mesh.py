@@ -43,6 +43,26 @@ def _device_ids(mesh) -> tuple:
     return [i for flat, _ in parts for i in flat], (len(parts), *(shapes.pop() if shapes else ()))
 
 
+class DeviceType(str):
+    """A mesh's device kind: a str, as torch's ``DeviceMesh.device_type`` is (``"cpu"``,
+    ``"cuda"``), that also equals the ``torch.device`` of its kind without an index, which is
+    what DTorch's ``device_type`` is and what its programs compare it with
+    (``mesh.device_type == torch.device("cpu")``)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        if isinstance(other, torch.device):
+            return other.index is None and other.type == str(self)
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+
 def _parse_device(device) -> tuple:
     """(kind, index or None) of a device given as torch does (``"cuda"``, ``"cpu:3"``,
     ``torch.device("cuda", 1)``), restricted to the kinds dtorch runs on."""
@@ -56,7 +76,7 @@ def _parse_device(device) -> tuple:
     if device is None or device.type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {DEVICE_TYPES} (optionally with an index, "
                          f"'cuda:1'), got {device!r}")
-    return device.type, device.index
+    return DeviceType(device.type), device.index
 
 
 def _cuda_device_count() -> int:
@@ -128,8 +148,9 @@ class DeviceMesh:
     ``DeviceMesh(other)`` copies ``other``. Meshes are equal when their kind, ids, shape and
     names are, and they are hashable (DTorch's are not).
 
-    ``device_type`` is the kind as a str (``"cpu"``, ``"cuda"``), as torch's DeviceMesh has it;
-    DTorch returns a ``torch.device``. ``torch.device(mesh.device_type)`` works with both.
+    ``device_type`` is the kind as a str (``"cpu"``, ``"cuda"``), as torch's DeviceMesh has it,
+    which also equals ``torch.device("cpu")`` (``DeviceType``): DTorch's is a ``torch.device``,
+    and its programs compare it with one.
 
     >>> DeviceMesh("cpu:3")
     DeviceMesh('cpu', dim_name: [], shape: (1,), data: [3])

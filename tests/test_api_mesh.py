@@ -61,6 +61,17 @@ def test_a_device_alone_is_a_one_device_mesh(device, devices):
     assert not mesh.is_distributed and mesh.dim_names == []
 
 
+def test_device_type_is_torchs_str_and_equals_dtorchs_device():
+    """torch's DeviceMesh has a str, DTorch's a torch.device; programs compare with either."""
+    kind = DeviceMesh("cpu", [0, 1]).device_type
+    assert isinstance(kind, str) and kind == "cpu" and "cpu" == kind
+    assert kind == torch.device("cpu") and torch.device("cpu") == kind
+    assert kind != torch.device("cpu", 1) and kind != torch.device("cuda") and kind != "cuda"
+    assert DeviceMesh("cuda").device_type == torch.device("cuda")
+    assert {kind: 1}["cpu"] == 1 and torch.device(kind) == torch.device("cpu")
+    assert repr(kind) == "'cpu'" and str(kind) == "cpu"
+
+
 def test_a_cuda_device_names_one_gpu():
     """Whether or not the machine has GPU 1: making a mesh does not ask."""
     assert DeviceMesh(torch.device("cuda:1")).devices == (1,)

@@ -343,7 +343,7 @@ NO_GRADIENT = {
         "one_hot", "bool", "byte", "char", "int", "long", "short", "failure_token")},
     **{name: _NO_OPERAND for name in (
         "arange", "empty", "eye", "full", "linspace", "logspace", "ones", "zeros", "from_data",
-        "rand", "randn", "randint", "randperm")},
+        "rand", "randn", "randint", "randperm", "uninitialized")},
     "floor_divide": "torch: derivative for aten::floor_divide is not implemented",
     "rfloordiv": "torch: derivative for aten::floor_divide is not implemented",
     "rmod": "torch: derivative for aten::remainder (scalar, tensor) is not implemented",

@@ -6,7 +6,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.models.llama import LlamaForCausalLM
+from dtorch.models.llama import LlamaForCausalLM, StaticKVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,6 +92,46 @@ def test_greedy_generate_equals_hf(layout, gqa, tokens):
     expected = gqa.generate(tokens, max_new_tokens=6, do_sample=False,
                             attention_mask=torch.ones_like(tokens), pad_token_id=0)
     assert torch.equal(model.generate(tokens, max_new_tokens=6, pad_token_id=0), expected)
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2-pp2-ulysses2"])
+def test_the_growing_cache_generates_as_the_static_one(layout, gqa, tokens):
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of(layout))
+    model.load_state_dict(gqa.state_dict())
+    expected = gqa.generate(tokens, max_new_tokens=6, do_sample=False,
+                            attention_mask=torch.ones_like(tokens), pad_token_id=0)
+    got = model.generate(tokens, max_new_tokens=6, pad_token_id=0,
+                         cache_implementation="dynamic")
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="cache_implementation"):
+        model.generate(tokens, max_new_tokens=2, cache_implementation="sliding")
+
+
+def test_static_decode_steps_replay_and_give_hfs_logits(gqa, tokens):
+    """A static cache's decode steps are one program (the controller replays them: the trace
+    shows replays); each step's logits, made inside the replayed windows, equal HF's with its
+    own cache to float rounding (the masked slots take no part)."""
+    model = LlamaForCausalLM(gqa.config, device_mesh=mesh_of("one"))
+    model.load_state_dict(gqa.state_dict())
+    with torch.inference_mode():
+        hf_out = gqa(tokens, use_cache=True)
+        past, ids = hf_out.past_key_values, hf_out.logits[:, -1:].argmax(-1)
+        cache = StaticKVCache(tokens.shape[1] + 24)
+        mine = model(tokens, cache, last_only=True)
+        torch.testing.assert_close(mine.to_torch()[:, -1], hf_out.logits[:, -1], atol=1e-5,
+                                   rtol=1e-5)
+        with dtorch.profiler.profile() as prof:
+            for step in range(24):
+                hf_out = gqa(ids, past_key_values=past, use_cache=True)
+                past = hf_out.past_key_values
+                logits = model(ids, cache, last_only=True)
+                torch.testing.assert_close(logits.to_torch()[:, -1], hf_out.logits[:, -1],
+                                           atol=1e-5, rtol=1e-5, msg=f"step {step}")
+                ids = hf_out.logits[:, -1:].argmax(-1)
+            dtorch.sync()
+        with pytest.raises(ValueError, match="max_len"):
+            model(ids, cache)
+    assert any(e["name"].startswith("replay") for e in prof.kernels() if e["pid"] == 0)
 
 
 def test_generate_stops_at_eos_as_hf(gqa, tokens):

@@ -284,8 +284,20 @@ def _zeros(spec):
                         placements=list(spec.placements))
 
 
+class Recomputed:
+    """The ``op`` of a node that stands for a region run without a tape (``checkpoint.py``):
+    ``vjp(grads)`` runs it again with one and returns its inputs' gradients."""
+
+    name = "checkpoint"
+
+    def __init__(self, vjp):
+        self.vjp = vjp
+
+
 def _vjp(node, grads, retain: bool = False) -> list:
     """The operands' gradients (None where not needed) from the results' (None: zero)."""
+    if type(node.op) is Recomputed:
+        return node.op.vjp(grads)
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads
         source = node.operands[0]
@@ -335,6 +347,10 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
         else:
             grads[t._id] = _add(grads.get(t._id), g)
     nodes = _reachable(roots)
+    if wanted is not None and any(type(node.op) is Recomputed for node in nodes):
+        raise RuntimeError("Checkpointing is not compatible with .grad() or when an `inputs` "
+                           "parameter is passed to .backward(). Please use .backward() and do "
+                           "not pass its `inputs` argument.")  # (torch's reentrant words)
     readers: dict = {}  # leaf id -> how many nodes still to visit read it
     regathers: dict = {}  # Gather -> how many nodes still to visit read one of its results
     for node in nodes:

@@ -39,12 +39,12 @@ from ..type import RING_CP, ULYSSES_CP
 from .. import nn
 from ..nn import functional as F
 from ..nn.pipeline import hop
+from .kv_cache import CP_DIMS, KVCache, StaticKVCache
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
-           "LlamaRMSNorm", "LlamaRotaryEmbedding", "KVCache", "MESH_DIMS"]
+           "LlamaRMSNorm", "LlamaRotaryEmbedding", "KVCache", "StaticKVCache", "MESH_DIMS"]
 
 MESH_DIMS = ("dp", "tp", "pp", ULYSSES_CP, "ulysses_cp", RING_CP)
-CP_DIMS = (ULYSSES_CP, "ulysses_cp", RING_CP)
 R = Replicate()
 
 ACTIVATIONS = {
@@ -165,42 +165,6 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
                                                                         seq, dim)
 
 
-class KVCache:
-    """The keys and values of the positions seen so far, per layer, ``[batch, kv_heads, seq,
-    head_dim]`` in the layer's layout."""
-
-    def __init__(self):
-        self.layers: dict = {}
-
-    def __len__(self) -> int:
-        return self.seen(0)
-
-    def seen(self, layer: int) -> int:
-        """How many positions ``layer`` has cached."""
-        past = self.layers.get(layer)
-        return 0 if past is None else past[0].shape[2]
-
-    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple:
-        """The layer's keys and values with these appended along the sequence."""
-        past = self.layers.get(layer)
-        if past is not None:
-            key = dtorch.cat((past[0], key), dim=2)
-            value = dtorch.cat((past[1], value), dim=2)
-        self.layers[layer] = (key, value)
-        return key, value
-
-    def gather_sequence(self) -> None:
-        """Every entry whole along the sequence (Replicate on the context-parallel dims): decode
-        steps bring one position each, which context parallelism cannot split."""
-        for layer, (k, v) in self.layers.items():
-            names = [n for n in CP_DIMS if k.device_mesh.has_dim_name(n)]
-            if names:
-                layout = dict.fromkeys(names, R)
-                self.layers[layer] = tuple(
-                    t.redistribute_by_dict(None, layout, default_placement_mode="keep")
-                    for t in (k, v))
-
-
 class LlamaAttention(nn.Module):
     """Multi-head attention with GQA and RoPE; the heads split over ``tp``."""
 
@@ -237,13 +201,15 @@ class LlamaAttention(nn.Module):
         k = heads(self.k_proj(hidden_states))
         v = heads(self.v_proj(hidden_states))
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        past = 0 if cache is None else cache.seen(self.layer_idx)
+        past, mask = 0 if cache is None else cache.seen(self.layer_idx), None
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
+            k, v, mask = cache.update(self.layer_idx, k, v)
         k = repeat_kv(k, self.num_key_value_groups)
         v = repeat_kv(v, self.num_key_value_groups)
-        # a prefill is causal; a decode step's one query sees every cached position
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and seq > 1,
+        # a prefill is causal; a decode step's one query sees every cached position (a static
+        # cache's: those its mask marks)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=past == 0 and seq > 1,
                                              scale=self.scaling)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.o_proj(out)
@@ -304,19 +270,25 @@ class LlamaModel(nn.Module):
                 self.layers.append(LlamaDecoderLayer(config, i, dtype))
         with _guard(self.stage_meshes[-1]):
             self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # each layer's activations recomputed in the backward (HF's name; training only)
+        self.gradient_checkpointing = False
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
         h = self.embed_tokens(input_ids)
-        start = 0 if cache is None else len(cache)
-        positions = dtorch.arange(start, start + input_ids.shape[1],
-                                  device_mesh=h.device_mesh).unsqueeze(0)
+        positions = (KVCache() if cache is None else cache).positions(input_ids.shape[1],
+                                                                       h.device_mesh)
         tables = {h.device_mesh: self.rotary_emb(h, positions)}  # moved once per stage
         for layer, stage in zip(self.layers, self.layer_stage_ids):
             mesh = self.stage_meshes[stage]
             h = hop(h, mesh)
             if mesh not in tables:
                 tables[mesh] = tuple(hop(t, mesh) for t in tables[self.stage_meshes[0]])
-            h = layer(h, tables[mesh], cache)
+            if self.gradient_checkpointing and self.training and cache is None:
+                h = nn.checkpoint(layer, h, tables[mesh])
+            else:
+                h = layer(h, tables[mesh], cache)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
         return self.norm(hop(h, self.stage_meshes[-1]))
 
 
@@ -369,16 +341,35 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size,
                                                        bias=False, dtype=dtype)
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """HF's switch: in training mode each decoder layer's activations are recomputed in
+        the backward (``dtorch.nn.checkpoint``) instead of kept."""
+        if gradient_checkpointing_kwargs:
+            raise NotImplementedError(f"gradient_checkpointing_kwargs="
+                                      f"{gradient_checkpointing_kwargs!r}: dtorch's checkpoint "
+                                      f"takes none")
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
     @classmethod
     def from_pretrained(cls, path, device_mesh: DeviceMesh | None = None, dtype=None,
                         progress=None):
         """The model of an HF checkpoint directory (``config.json`` and safetensors files),
         read locally: each host reads only the slices its devices hold. ``dtype``: the
-        parameters' (default float32); as in HF, the RoPE frequencies stay float32."""
+        parameters' (default float32); as in HF, the RoPE frequencies stay float32. The model
+        is built without values (``dtorch.nn.init_empty``: nothing drawn, nothing allocated),
+        so each host's memory grows by its share of the weights as they are read."""
         from transformers import LlamaConfig
 
         config = LlamaConfig.from_pretrained(os.fspath(path))
-        model = cls(config, device_mesh, dtype)
+        with dtorch.nn.init_empty():
+            model = cls(config, device_mesh, dtype)
         tied = getattr(config, "tie_word_embeddings", False)
         # each value is cast to its parameter's dtype (the model was built in ``dtype``)
         load_checkpoint(model, path, progress=progress,
@@ -425,35 +416,43 @@ class LlamaForCausalLM(nn.Module):
     # -- decoding -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False,
-                 eos_token_id=None, pad_token_id=None, **kwargs) -> torch.Tensor:
+                 eos_token_id=None, pad_token_id=None, cache_implementation: str = "static",
+                 **kwargs) -> torch.Tensor:
         """Greedy decoding, as HF's ``generate(do_sample=False)``: ``max_new_tokens`` tokens
         after ``input_ids`` (a ``[batch, seq]`` torch or dtorch tensor), a sequence that reached
         ``eos_token_id`` (default: the config's) padded with ``pad_token_id`` after it, and the
         output cut where every sequence has ended. Returns a torch tensor ``[batch, seq + n]``.
 
         Every step is issued without a wait (the next token's ids stay on the devices); the
-        tokens are read once, at the end."""
+        tokens are read once, at the end. ``cache_implementation``: ``"static"`` (a cache of
+        the prompt's and the new tokens' positions, whose decode steps replay:
+        ``models/kv_cache.py``) or ``"dynamic"`` (one that grows by a ``cat`` each step)."""
         if do_sample:
             raise NotImplementedError("LlamaForCausalLM.generate: only greedy decoding "
                                       "(do_sample=False) is supported")
         if kwargs:
             raise TypeError(f"LlamaForCausalLM.generate: unsupported arguments "
                             f"{sorted(kwargs)}")
+        if cache_implementation not in ("static", "dynamic"):
+            raise ValueError(f"LlamaForCausalLM.generate: cache_implementation must be "
+                             f"'static' or 'dynamic', got {cache_implementation!r}")
         prompt = input_ids.to_torch() if isinstance(input_ids, Tensor) else input_ids
-        cache = KVCache()
+        cache = KVCache() if cache_implementation == "dynamic" else StaticKVCache(
+            prompt.shape[1] + max_new_tokens)
         tokens = []
         ids = self.place_tokens(prompt)
         for step in range(max_new_tokens):
             logits = super().__call__(ids, cache, last_only=True)
             # [batch], on the last stage; the tp head's vocabulary made whole first
-            next_ids = whole_along(logits[:, -1], Shard(1)).argmax(-1)
+            # [batch, 1] (no view of a step's tensor outlives the step, so steps replay)
+            next_ids = whole_along(logits[:, -1], Shard(1)).argmax(-1, keepdim=True)
             tokens.append(next_ids)
             if step == 0:
                 cache.gather_sequence()
-            ids = self.place_tokens(next_ids.unsqueeze(1), shard_sequence=False)
+            ids = self.place_tokens(next_ids, shard_sequence=False)
         if not tokens:
             return prompt.clone()
-        new = dtorch.stack(tokens, dim=1).to_torch()  # the one read
+        new = dtorch.cat(tokens, dim=1).to_torch()  # the one read
         return torch.cat([prompt, _stop_at_eos(new, self._eos(eos_token_id), pad_token_id)],
                          dim=1)
 

@@ -6,8 +6,10 @@ plus ``device=``, ``dtype=`` and ``device_mesh=`` (default: the graph's, which
 layout.
 """
 
-from . import functional, utils  # noqa: F401
+from ..autograd.checkpoint import checkpoint  # noqa: F401  (torch.utils.checkpoint's)
+from . import functional, init, utils  # noqa: F401
 from .fsdp import fully_shard  # noqa: F401
+from .init import init_empty  # noqa: F401
 from .modules import *  # noqa: F401,F403
 from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
 from .parameter import Buffer, Parameter  # noqa: F401

@@ -30,11 +30,11 @@ import torch
 
 from .. import current
 from .. import protocol as P
-from ..blocks import block_of
+from ..blocks import block_of, block_of_whole
 from ..mesh import DeviceMesh
 from ..placement import as_int, is_int, normalize_placements
 from ..tensor import Tensor
-from .registry import OpDef, issue, lookup, register
+from .registry import NO_VALUE_KERNEL, OpDef, issue, lookup, register
 from .rules import Placed
 
 # the layout args of an entry (the mesh and placements travel in the output spec, not as static
@@ -113,8 +113,10 @@ def check_size(op: str, sizes: tuple, keyword=None, dtype=None) -> tuple:
 
 
 def _block(ctx, full: torch.Tensor) -> torch.Tensor:
-    """This device's block of a full tensor (its pieces, for a sub-split dim)."""
-    return block_of(full, ctx.out_specs[0].local_pieces(ctx.out_coord)).clone()
+    """This device's block of a full tensor made for it (its pieces, for a sub-split dim): a
+    copy of a part, so that the whole goes."""
+    block = block_of(full, ctx.out_specs[0].local_pieces(ctx.out_coord))
+    return block if block is full else block.clone()
 
 
 def factory(make):
@@ -136,10 +138,14 @@ def _generator(seed) -> torch.Generator:
 
 
 def random_kernel(draw):
-    """Kernel for random factories: the whole tensor from the seed, this device's block of it."""
+    """Kernel for random factories: the whole tensor from the seed, this device's block of it
+    (``blocks.block_of_whole``: the whole not kept)."""
 
     def kernel(ctx, seed, **static):
-        return ctx.partition(_block(ctx, draw(generator=_generator(seed), **static)))
+        spec, g = ctx.out_specs[0], _generator(seed)
+        return ctx.partition(block_of_whole(
+            spec.shape, out_dtype(ctx), spec.local_pieces(ctx.out_coord),
+            lambda whole: draw(generator=g, out=whole, **static)))
 
     return kernel
 
@@ -243,9 +249,16 @@ def with_grad(t, requires_grad: bool):
     return t
 
 
+# factories whose values are arbitrary or random: what parameters are made with, so inside
+# ``dtorch.nn.init_empty()`` they make tensors without values (``ops/random_fill.py``)
+DEFERRED = frozenset(("empty", "rand", "randn"))
+
+
 def on_graph(graph, name: str, operands: tuple, static: tuple):
     """Issues the factory ``name`` on ``graph`` when one is given (its result belongs to it),
-    else on the current graph."""
+    else on the current graph; a ``DEFERRED`` one inside ``init_empty`` as ``uninitialized``."""
+    if name in DEFERRED and current.deferring():
+        name, operands = NO_VALUE_KERNEL, ()
     if graph is None:
         return issue(name, operands, static)
     with current.graph_or_current(graph, name):

@@ -27,6 +27,16 @@ from typing import Callable
 from ..protocol import COMM, IMPURE, INPLACE, OVERWRITES, VIEW  # noqa: F401
 
 
+class NoValue(Exception):
+    """Raised by a kernel whose result has, by design, no value yet (a tensor made inside
+    ``dtorch.nn.init_empty``): the result carries a failure that no one is told of, so nothing
+    fails until the value is read (which raises this message) or written whole (which gives it
+    one: ``protocol.OVERWRITES``)."""
+
+
+NO_VALUE_KERNEL = "uninitialized"  # the kernel that raises it (``ops/random_fill.py``)
+
+
 @dataclass(eq=False)
 class OpDef:
     name: str

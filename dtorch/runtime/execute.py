@@ -16,6 +16,7 @@ import threading
 import time
 
 from .. import logs
+from ..ops.registry import NO_VALUE_KERNEL, NoValue
 from .failures import Failure, run_collective, tell
 from .stream import Blob
 from .vjp import ForwardFailed
@@ -55,10 +56,17 @@ class Runner:
         except ForwardFailed as e:  # told when the forward failed
             return e.error
         except Exception as e:  # noqa: BLE001 - a kernel error becomes the client's error
-            return self.tell(Failure.raised(site, call.name, e), step)
+            return self.failed(site, call.name, e, step)
         if call.overwrites and type(operands[0]) is Blob and operands[0].error is not None:
             operands[0].overwritten(result)  # the full write cleared its failure
         return result
+
+    def failed(self, site: int, name: str, e: Exception, step=None) -> Failure:
+        """The Failure of kernel ``name`` (``step``) that raised ``e``, told to the client, but
+        for a result that has no value by design (``NoValue``), which only a read reports."""
+        if type(e) is NoValue:
+            return Failure(site, name, str(e))
+        return self.tell(Failure.raised(site, name, e), step)
 
     def tell(self, failure: Failure, step=None) -> Failure:
         """Tells the client of ``failure``, a kernel's (``step``'s) new one; returns it."""
@@ -122,8 +130,11 @@ class KernelRun(Runner):
                 blob.hold(value)
 
     def _fail(self, failure: Failure) -> None:
+        no_value = failure.op == NO_VALUE_KERNEL
         for blob in self.outputs:
             blob.error = failure
+            if no_value and blob.tensor is None:  # a view of a tensor made without a value
+                blob.view = False  # (a Parameter's alias): a full write gives it its own block
         for call, _, inputs, _ in self.steps:  # a recorded call that did not run: its VJP fails
             if call.saves and not hasattr(inputs[-3], "outs"):  # alike (``saved_slots``)
                 inputs[-3].error = failure

@@ -293,8 +293,7 @@ class ProgramRun(Runner):
         n, raised = stop  # the loop goes on from there
         if raised is not None:
             step = steps[n]
-            self._store(step, self.tell(Failure.raised(step.site, step.call.name, raised), step),
-                        values)
+            self._store(step, self.failed(step.site, step.call.name, raised, step), values)
             n += 1
         self._run(steps[n:], values, None)
 

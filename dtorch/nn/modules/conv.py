@@ -26,6 +26,7 @@ import dtorch
 from ...ops.nn import same_pads
 from .. import functional as F
 from ..parameter import Parameter
+from .linear import reset_linear
 from .module import Module
 
 __all__ = ["Conv1d", "Conv2d"]
@@ -90,11 +91,7 @@ class _ConvNd(Module):
     def reset_parameters(self) -> None:
         """torch's init: ``kaiming_uniform_(a=sqrt(5))`` for the weight, which is uniform in
         ``+-1 / sqrt(fan_in)``, and the same bound for the bias."""
-        fan_in = self.in_channels // self.groups * math.prod(self.kernel_size)
-        bound = 1 / math.sqrt(fan_in) if fan_in else 0.0
-        for p in (self.weight, self.bias):
-            if p is not None:
-                p.copy_(dtorch.rand_like(p) * (2 * bound) - bound)
+        reset_linear(self.weight, self.bias)
 
     def _pads(self, size) -> tuple:
         """``F.pad``'s amounts (last dim first, each as (before, after)) that ``padding``

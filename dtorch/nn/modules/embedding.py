@@ -13,7 +13,9 @@ reduced in ``redistribute_output`` (override it to return ``S(d)``, a reduce-sca
 sequence parallelism, or the Partial itself). Every other mesh dim holds the table whole
 (Replicate): indices sharded there (the batch) shard the output alike.
 
->>> import dtorch
+>>> import torch
+
+import dtorch
 >>> mesh = dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=["tp"])
 >>> emb = VocabParallelEmbedding(5, 4, device_mesh=mesh)
 >>> emb.weight.placements, emb(dtorch.tensor([[0, 4]], device_mesh=mesh)).placements
@@ -22,11 +24,14 @@ sequence parallelism, or the Partial itself). Every other mesh dim holds the tab
 
 from __future__ import annotations
 
+import torch
+
 import dtorch
 
 from ...placement import Replicate, Shard, is_int
 from ...tensor import Tensor
 from .. import functional as F
+from .. import init
 from ..parameter import Parameter
 from .linear import check_tp_input, redistribute_on, resolve_tp_dim, tp_placements
 from .module import Module, load_into
@@ -87,15 +92,14 @@ class Embedding(Module):
                    _weight=embeddings, _freeze=freeze, **kwargs)
 
     def reset_parameters(self) -> None:
-        """torch's initialisation: ``normal_(0, 1)``, the ``padding_idx`` row zero."""
+        """torch's initialisation, in place: ``normal_(0, 1)``, the ``padding_idx`` row zero."""
         w = self.weight
-        values = dtorch.randn(tuple(w.shape), dtype=w.dtype, device_mesh=w.device_mesh,
-                              placements=w.placements)
+        init.normal_(w)
         if self.padding_idx is not None:
             rows = dtorch.arange(self.num_embeddings, device_mesh=w.device_mesh,
                                  placements=_rows_layout(w.placements))
-            values = dtorch.where((rows == self.padding_idx).unsqueeze(1), 0.0, values)
-        w.copy_(values)
+            with torch.no_grad():
+                w.copy_(dtorch.where((rows == self.padding_idx).unsqueeze(1), 0.0, w))
 
     def redistribute_input(self, input, input_placement=None):
         """``input`` with ``input_placement`` on the tp dim when given, then checked: ``R``

@@ -39,6 +39,7 @@ from ...mesh import DeviceMesh
 from ...placement import Partial, Replicate, Shard, is_int
 from ...tensor import Tensor
 from .. import functional as F
+from .. import init
 from ..parameter import Parameter
 from .module import Module
 
@@ -114,13 +115,14 @@ def redistribute_on(x: Tensor, tp_dim: int | None, placement) -> Tensor:
     return x.redistribute_by_dict(None, {tp_dim: placement}, default_placement_mode="keep")
 
 
-def uniform(param: Tensor, bound: float) -> Tensor:
-    """Values uniform in [-bound, bound) in ``param``'s layout (Replicate where it is Partial:
-    ``copy_`` then keeps them once), each device drawing only its block."""
-    placements = [Replicate() if p.is_partial() else p for p in param.placements]
-    u = dtorch.rand(tuple(param.shape), dtype=param.dtype, device_mesh=param.device_mesh,
-             placements=placements)
-    return (u * 2 - 1) * bound
+def reset_linear(weight: Tensor, bias) -> None:
+    """torch's init of ``nn.Linear`` and ``_ConvNd``, in place: ``kaiming_uniform_(a=sqrt(5))``
+    for the weight (uniform within ``1 / sqrt(fan_in)``) and the bias uniform within that bound."""
+    init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = init._calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        init.uniform_(bias, -bound, bound)
 
 
 # -- the layers -----------------------------------------------------------------------------------
@@ -155,12 +157,9 @@ class Linear(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """torch's initialisation: ``kaiming_uniform_(a=sqrt(5))`` for the weight and
+        """torch's initialisation, in place: ``kaiming_uniform_(a=sqrt(5))`` for the weight and
         ``uniform_`` for the bias, both within ``1 / sqrt(in_features)``."""
-        bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-        self.weight.copy_(uniform(self.weight, bound))
-        if self.bias is not None:
-            self.bias.copy_(uniform(self.bias, bound))
+        reset_linear(self.weight, self.bias)
 
     def expected_input_placement(self, input: Tensor):
         """What the input must be on the tp dim: ``R`` (column), ``S(-1)`` (row)."""

@@ -54,7 +54,8 @@ from ...placement import Replicate, Shard, is_int
 from ...tensor import Tensor
 from .. import functional as F
 from ..parameter import Parameter
-from .linear import Linear, resolve_tp_dim, uniform
+from .. import init
+from .linear import Linear, resolve_tp_dim
 from .module import Module
 
 __all__ = ["MoE"]
@@ -108,7 +109,7 @@ class MoE(Module):
         self.gate.reset_parameters()
         for w, fan_in in ((self.w1, self.hidden_size), (self.w3, self.hidden_size),
                           (self.w2, self.ffn_hidden_size)):
-            w.copy_(uniform(w, 1 / math.sqrt(fan_in)))
+            init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
     # -- state ----------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
