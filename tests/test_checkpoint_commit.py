@@ -310,3 +310,74 @@ def test_a_full_disk_raises_frees_what_it_wrote_and_keeps_the_old(tmp_path):
     assert r["after"] == r["before"] and r["freed"], r  # no temporaries, no space held
     assert r["old_loads"] and r["usable"]
     assert os.listdir(mount) == []  # (the tmpfs was the namespace's alone)
+
+
+# -- async saves ------------------------------------------------------------------------------
+
+
+def overwrite(m: dtorch.nn.Module, seed: int) -> None:
+    """Every parameter written in place with another state's values (an optimizer step)."""
+    for key, value in values(seed).items():
+        p = getattr(m, key)
+        with torch.no_grad():
+            p.copy_(dtorch.from_torch(value, p.device_mesh) if isinstance(p, dtorch.Tensor)
+                    else value)
+
+
+def test_an_async_save_writes_the_values_of_its_call(tmp_path):
+    """The program goes on at once and changes every parameter in place; the checkpoint holds
+    the values the save was called with (the devices copied them first), and the commit is the
+    same as a save's."""
+    save_checkpoint(module_of(values(OLD)), tmp_path)
+    m = module_of(values(NEW))
+    future = save_checkpoint(m, tmp_path, async_=True)
+    overwrite(m, OLD + 7)
+    assert future.result() == str(tmp_path / "dtorch.index.json")
+    assert outcome(tmp_path)[0] == "new"
+    assert_only_the_index_and_its_files(tmp_path)
+    assert torch.equal(m.a.to_torch(), values(OLD + 7)["a"])  # (the program's own writes)
+
+
+def test_async_saves_wait_for_each_other_and_loads_for_them(tmp_path):
+    first = save_checkpoint(module_of(values(OLD)), tmp_path, async_=True)
+    second = save_checkpoint(module_of(values(NEW)), tmp_path, async_=True)
+    assert first.done()  # the second waited for the first before it began
+    assert outcome(tmp_path)[0] == "new"  # the load waited for the second
+    assert second.result() == first.result()
+    assert_only_the_index_and_its_files(tmp_path)
+
+
+@pytest.mark.parametrize("waited", [True, False])
+def test_a_failed_async_save_raises_at_result_or_at_the_next_save(tmp_path, monkeypatch,
+                                                                   waited):
+    save_checkpoint(module_of(values(OLD)), tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setattr(commit, "new_save_id", lambda: "0123456789ab")
+    (tmp_path / "rank00001-mesh0-0123456789ab.safetensors").mkdir()  # device 1's write fails
+    future = save_checkpoint(module_of(values(NEW)), tmp_path, async_=True)
+    monkeypatch.undo()
+    with pytest.raises(IsADirectoryError, match=f"could not write the checkpoint {tmp_path}"):
+        future.result() if waited else save_checkpoint(module_of(values(NEW)), tmp_path)
+    os.rmdir(tmp_path / "rank00001-mesh0-0123456789ab.safetensors")
+    assert sorted(os.listdir(tmp_path)) == before and outcome(tmp_path)[0] == "old"
+    save_checkpoint(module_of(values(NEW)), tmp_path)  # the runtime and the directory go on
+    assert outcome(tmp_path)[0] == "new"
+
+
+def test_an_async_save_writes_on_streams_of_its_own(tmp_path):
+    """The snapshot's copies and the files' writes run on the checkpoint's graph, whose streams
+    are not the program's: the program's kernels do not queue behind the writes."""
+    m = module_of(values(NEW))
+    x = dtorch.from_torch(torch.rand(256, 256), m.a.device_mesh, [Replicate()])
+    with dtorch.profiler.profile() as prof:
+        future = save_checkpoint(m, tmp_path, async_=True)
+        for _ in range(4):
+            x = x @ x * 0.01
+        future.result()
+        dtorch.sync()
+    events = [e for e in prof.kernels() if e["pid"] == 0]
+    streams = {n: {e["tid"] for e in events if n in e["name"].split("+")}
+               for n in ("write_safetensors", "matmul", "copy_")}
+    assert streams["write_safetensors"] and streams["matmul"]
+    assert streams["write_safetensors"] == streams["copy_"]
+    assert not streams["write_safetensors"] & streams["matmul"]

@@ -24,6 +24,7 @@ from ..tensor import Tensor
 from . import index
 from .headers import check_regular
 from .kernels import pack_pieces, read_block, read_into
+from .save import wait_for_saves
 
 PROGRESS_DELAY_S = 2.0  # the bar shows only for loads longer than this (and on a terminal)
 PROGRESS_STEP = 64 << 20  # bytes between two readings of the hosts' progress
@@ -64,6 +65,7 @@ def load_checkpoint(module, path, *, key_map=None, dtype=None, strict=True, prog
                         f"{type(module).__name__}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"load_checkpoint: dtype must be a floating torch.dtype, got {dtype!r}")
+    wait_for_saves()  # an async save still being written may be this checkpoint
     rename = renamer(key_map)
     file = index.torch_file(str(path))
     if file is not None:

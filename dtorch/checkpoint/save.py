@@ -14,9 +14,11 @@ safetensors file (one block per key), so safetensors' own tools read it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import os
+import threading
 
 import msgpack
 import torch
@@ -27,11 +29,20 @@ from . import commit, index
 from .kernels import sync_directory, write_blocks, write_file, writes_block
 
 
-def save_checkpoint(module, path) -> str:
+def save_checkpoint(module, path, *, async_: bool = False):
     """Writes ``module``'s state dict (or a dict of tensors) to the directory ``path``; returns
     the index's path. It returns once every file is written and fsynced and the index
     published; a write that fails (a full disk) raises ``OSError`` and leaves the checkpoint
     that was there as it was.
+
+    ``async_=True`` returns at once a ``concurrent.futures.Future`` of the index's path, while
+    the devices write a snapshot: each tensor copied as it is at this call (on a graph of the
+    checkpoint's own, so the copies wait only for the work that made the values, and the
+    program's later work waits for nothing but the copies before it changes them), then the
+    files written from the copies on that graph's streams beside the program's, and committed
+    by a thread of the client. The copies hold a second share of the state on each device until
+    their files are written. The next ``save_checkpoint`` or ``load_checkpoint`` waits for the
+    save first (and raises its error, as ``future.result()`` does); the commit is the same.
 
     >>> import dtorch, tempfile
     >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -40,9 +51,11 @@ def save_checkpoint(module, path) -> str:
     >>> _ = save_checkpoint({"w": w}, directory)
     >>> [name.split("-")[:2] for name in sorted(os.listdir(directory))]
     [['dtorch.index.json'], ['rank00000', 'mesh0'], ['rank00001', 'mesh0']]
+    >>> future = save_checkpoint({"w": w * 2}, directory, async_=True)
+    >>> future.result() == os.path.join(directory, "dtorch.index.json")
+    True
     """
-    import dtorch  # (this package loads with dtorch itself)
-
+    wait_for_saves()
     state = module.state_dict(keep_vars=True) if isinstance(module, torch.nn.Module) else module
     path = os.path.abspath(str(path))
     os.makedirs(path, exist_ok=True)
@@ -51,24 +64,112 @@ def save_checkpoint(module, path) -> str:
         commit.remove_unnamed(path, keep)  # the leftovers of saves that did not finish
     save_id = commit.new_save_id()
     try:
-        tensors = _write_all(state, path, save_id)
+        tensors, tokens = _write_all(state, path, save_id, snapshot=async_)
+    except BaseException as e:
+        raise _abandoned(path, save_id, e) from e
+    if not async_:
+        return _commit(path, save_id, tensors, tokens)
+    future = SaveFuture()
+    with _pending_lock:
+        _committer().submit(future.run, _commit, path, save_id, tensors, tokens)
+        _pending.append(future)
+    return future
+
+
+class SaveFuture(concurrent.futures.Future):
+    """An async save's future (``concurrent.futures.Future``): its result is the index's path.
+    Its error is raised once: by ``result()`` or ``exception()`` when the program asks, else by
+    the next ``save_checkpoint`` or ``load_checkpoint`` (``wait_for_saves``)."""
+
+    reported = False
+
+    def run(self, fn, *args) -> None:
+        try:
+            self.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - the program's to see
+            self.set_exception(e)
+
+    def result(self, timeout=None):
+        self.reported = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.reported = True
+        return super().exception(timeout)
+
+
+# async saves not yet waited for, oldest first, and the one thread that commits them in order
+_pending: list = []
+_pending_lock = threading.Lock()
+_threads: list = []
+_snapshots: list = []  # the graph the snapshots' copies and writes run on (made on first use)
+
+
+def _committer():
+    if not _threads:
+        _threads.append(concurrent.futures.ThreadPoolExecutor(1, "dtorch-checkpoint"))
+    return _threads[0]
+
+
+def wait_for_saves() -> None:
+    """Waits for every async save issued so far; raises the first error the program has not
+    been given yet."""
+    with _pending_lock:
+        pending, _pending[:] = list(_pending), []
+    error = None
+    for future in pending:
+        failure = concurrent.futures.Future.exception(future)  # waits (not a report)
+        if failure is not None and not future.reported:
+            future.reported = True
+            error = error or failure
+    if error is not None:
+        raise error
+
+
+def _commit(path: str, save_id: str, tensors: dict, tokens: list) -> str:
+    """Waits for the devices' writes, then publishes the index (``commit.py``)."""
+    try:
+        failure = max((token.item() for token in tokens), default=0)  # waits for every device
+        if failure:
+            raise OSError(failure, f"a device could not write its blocks "
+                                   f"({os.strerror(failure)})")
         files = commit.sizes(path, tensors)
         sync_directory(path)
         index_path = commit.publish(path, save_id, tensors, files)
     except BaseException as e:
-        with contextlib.suppress(Exception):  # the devices' writes still under way end first
-            dtorch.sync()
-        commit.abandon(path, save_id)
-        if isinstance(e, OSError):
-            raise commit.save_error(path, e) from e
-        raise
+        raise _abandoned(path, save_id, e) from e
     sync_directory(path)
     commit.remove_unnamed(path, set(files))  # the previous save's
     return index_path
 
 
-def _write_all(state, path: str, save_id: str) -> dict:
-    """Writes every file of the save and waits for them; returns the index's ``tensors``."""
+def _abandoned(path: str, save_id: str, e: BaseException) -> BaseException:
+    """What a failed save raises, once what it wrote is removed (the devices' writes under way
+    end first)."""
+    import dtorch  # (this package loads with dtorch itself)
+
+    with contextlib.suppress(Exception):
+        dtorch.sync()
+    commit.abandon(path, save_id)
+    return commit.save_error(path, e) if isinstance(e, OSError) else e
+
+
+def _snapshot(t: Tensor) -> Tensor:
+    """A copy of ``t`` as it is now, made on the snapshots' graph (``save_checkpoint``)."""
+    import dtorch
+
+    if not _snapshots:
+        _snapshots.append(dtorch.Graph())
+    graph = _snapshots[0]
+    copy = dtorch.empty_like(t, graph=graph)
+    with graph:
+        return copy.copy_(t)
+
+
+def _write_all(state, path: str, save_id: str, snapshot: bool = False) -> tuple:
+    """Issues every file of the save (the client's own written at once): the index's
+    ``tensors`` and the devices' tokens (``write_blocks``). ``snapshot``: the devices write
+    copies (``_snapshot``), on the snapshots' graph."""
     tensors, first, groups, on_client = {}, {}, {}, []
     for key, t in state.items():
         if id(t) in first:  # tied: the same pieces
@@ -76,7 +177,8 @@ def _write_all(state, path: str, save_id: str) -> dict:
             continue
         first[id(t)] = key
         if isinstance(t, Tensor):
-            groups.setdefault(t.device_mesh, []).append((key, _reduced(t)))
+            t = _reduced(t)
+            groups.setdefault(t.device_mesh, []).append((key, _snapshot(t) if snapshot else t))
         elif isinstance(t, torch.Tensor):
             on_client.append((key, t.detach()))
         else:
@@ -95,10 +197,7 @@ def _write_all(state, path: str, save_id: str) -> dict:
             if t.numel():
                 tensors[key]["pieces"].append({"file": name, "key": key,
                                                "offsets": [0] * t.dim(), "shape": list(t.shape)})
-    failure = max((token.item() for token in tokens), default=0)  # waits for every device
-    if failure:
-        raise OSError(failure, f"a device could not write its blocks ({os.strerror(failure)})")
-    return tensors
+    return tensors, tokens
 
 
 def _reduced(t: Tensor) -> Tensor:

@@ -14,3 +14,4 @@ from .modules import *  # noqa: F401,F403
 from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
 from .parameter import Buffer, Parameter  # noqa: F401
 from .pipeline import pipeline  # noqa: F401
+from .schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B  # noqa: F401
