@@ -52,8 +52,8 @@ def block_of_whole(shape, dtype, pieces, fill, out=None) -> torch.Tensor:
     are initialized one by one."""
     nbytes = math.prod(shape) * dtype.itemsize
     whole_is_block = all(ranges == ((0, n),) for ranges, n in zip(pieces, shape))
-    if whole_is_block and out is not None:
-        return fill(out)
+    if whole_is_block and out is not None and out.device.type == "cpu":
+        return fill(out)  # (a CUDA block takes the CPU draw: the generator is a CPU one)
     if whole_is_block or nbytes < SCRATCH_BYTES:
         whole = torch.empty(shape, dtype=dtype)
     else:  # (unmapped once nothing refers to the tensor on it)

@@ -78,6 +78,7 @@ def expected(scalars):
 
 class Host:
     tracer = None
+    cuda = False
 
     def __init__(self):
         self.sent = []

@@ -61,6 +61,7 @@ def program(failing: bool = False) -> tuple:
 
 class Host:
     log_kernels = False  # (Host's, read once at its start from config.debug)
+    cuda = False
 
     def __init__(self):
         self.sent = []

@@ -1,7 +1,8 @@
 """Creation operators: every factory takes ``dtype=, device_mesh=, placements=`` and makes each
 device's block of the tensor where it lives.
 
-Host kernels build the block of the Replicate value that the device holds (``ctx.region``), then
+Host kernels build the block of the Replicate value that the device holds (``ctx.region``) there
+(a random or a client's value: on the CPU, then moved), then
 ``ctx.partition`` turns it into the device's contribution on Partial mesh dims (device 0 keeps the
 value, the others hold the reduction's identity), so every factory works with every placement.
 Random factories draw the whole tensor from one seeded generator on each device and keep their
@@ -120,12 +121,14 @@ def _block(ctx, full: torch.Tensor) -> torch.Tensor:
 
 
 def factory(make):
-    """Kernel for factories whose blocks are made directly: ``make(shape, dtype)``."""
-    return lambda ctx, *, size, dtype: ctx.partition(make(ctx.out_local_shape, dtype=dtype))
+    """Kernel for factories whose blocks are made directly: ``make(shape, dtype, device)``."""
+    return lambda ctx, *, size, dtype: ctx.partition(make(
+        ctx.out_local_shape, dtype=dtype, device=ctx.device.torch_device))
 
 
 def _full_kernel(ctx, *, size, fill_value, dtype):
-    return ctx.partition(torch.full(ctx.out_local_shape, fill_value, dtype=dtype))
+    return ctx.partition(torch.full(ctx.out_local_shape, fill_value, dtype=dtype,
+                                    device=ctx.device.torch_device))
 
 
 def _generator(seed) -> torch.Generator:
@@ -139,26 +142,28 @@ def _generator(seed) -> torch.Generator:
 
 def random_kernel(draw):
     """Kernel for random factories: the whole tensor from the seed, this device's block of it
-    (``blocks.block_of_whole``: the whole not kept)."""
+    (``blocks.block_of_whole``: not kept), drawn on the CPU (a CPU generator's) and moved."""
 
     def kernel(ctx, seed, **static):
         spec, g = ctx.out_specs[0], _generator(seed)
         return ctx.partition(block_of_whole(
             spec.shape, out_dtype(ctx), spec.local_pieces(ctx.out_coord),
-            lambda whole: draw(generator=g, out=whole, **static)))
+            lambda whole: draw(generator=g, out=whole, **static)).to(ctx.device.torch_device))
 
     return kernel
 
 
 def _arange(ctx, *, start, end, step, dtype):
-    return ctx.partition(_block(ctx, torch.arange(start, end, step, dtype=dtype)))
+    return ctx.partition(_block(ctx, torch.arange(start, end, step, dtype=dtype,
+                                                  device=ctx.device.torch_device)))
 
 
 def _from_data(ctx, data, *, size, dtype):
+    device = ctx.device.torch_device
     if not data:  # a tensor with no elements
-        return ctx.partition(torch.empty(ctx.out_local_shape, dtype=dtype))
+        return ctx.partition(torch.empty(ctx.out_local_shape, dtype=dtype, device=device))
     full = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(size)
-    return ctx.partition(_block(ctx, full))
+    return ctx.partition(_block(ctx, full).to(device))
 
 
 def _meta_like(fn):
@@ -560,14 +565,16 @@ def out_dtype(ctx) -> torch.dtype:
 def _eye(ctx, *, n, m, dtype):
     """The block at rows r0.., cols c0.. of the identity: ones where row == col."""
     (rows, cols), (r0, c0) = ctx.out_local_shape, ctx.out_offsets
-    ones = torch.arange(r0, r0 + rows).unsqueeze(1) == torch.arange(c0, c0 + cols)
+    device = ctx.device.torch_device
+    ones = torch.arange(r0, r0 + rows, device=device).unsqueeze(1) == torch.arange(
+        c0, c0 + cols, device=device)
     return ctx.partition(ones.to(out_dtype(ctx)))
 
 
 def _spaced(fn):
     """linspace/logspace: the whole range (torch's own rounding), this device's block of it."""
     return lambda ctx, *, dtype, **static: ctx.partition(
-        _block(ctx, fn(**static, dtype=out_dtype(ctx))))
+        _block(ctx, fn(**static, dtype=out_dtype(ctx), device=ctx.device.torch_device)))
 
 
 register(OpDef("eye", f"eye(n, m=None, *, {LAYOUT})", _eye, creation_rule,

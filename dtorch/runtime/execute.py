@@ -18,7 +18,7 @@ import time
 from .. import logs
 from ..ops.registry import NO_VALUE_KERNEL, NoValue
 from .failures import Failure, run_collective, tell
-from .stream import Blob
+from .stream import Blob, record_uses
 from .vjp import ForwardFailed
 
 log = logs.host
@@ -89,6 +89,9 @@ class KernelRun(Runner):
             for e in self.waits:
                 e.wait()
         steps = self.steps
+        if self.host.cuda:
+            for step in steps:
+                record_uses(step[2])
         if steps[0][0].comm:
             result = run_collective(self, *steps[0])
         else:

@@ -29,6 +29,7 @@ import time
 from .. import protocol as P
 from .execute import Runner
 from .failures import Failure, first_failure, tell
+from .stream import record_uses
 from .vjp import Saved
 
 # where a step's operand comes from (ProgramRun._run's index); SLOT: the run's autograd slots
@@ -271,6 +272,8 @@ class ProgramRun(Runner):
         return steps[-1].site if steps else 0
 
     def __call__(self) -> None:
+        if self.host.cuda:
+            record_uses(self.outside)
         values = [None] * len(self.ids[1])
         if self.hot is None:
             self._run_all(values)
