@@ -16,6 +16,7 @@ from ..ops.creation import size_arg
 from ..ops.registry import REGISTRY, plug_dispatch
 from . import session
 from .dispatch import dispatch, redistribute
+from .overrides import handler
 
 _FILENAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<generated>")
 
@@ -142,3 +143,4 @@ def install(module, functional, tensor_cls, methods=None) -> None:
         place(op, op.front or generate(op), module, functional, tensor_cls)
     for name, fn in {**RUNTIME_METHODS, **(methods or {})}.items():
         setattr(tensor_cls, name, fn)
+    tensor_cls.__torch_function__ = handler(module, functional, tensor_cls)  # torch's on ours

@@ -72,9 +72,19 @@ def _one_hot_meta(input, num_classes=-1):
     return F.one_hot(input, num_classes)
 
 
-# dtorch.embedding is DTorch's, the nn.functional order (torch.embedding takes the weight first)
-register(OpDef("embedding", "embedding(input: Tensor, weight: Tensor, padding_idx=None)",
-               F.embedding, embedding_rule, functional=True))
+def _embedding_meta(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                    scale_grad_by_freq=False, sparse=False):
+    if max_norm is not None or sparse:  # (max_norm renormalizes the table in place)
+        raise NotImplementedError("dtorch.nn.functional.embedding: max_norm and sparse=True are "
+                                  "not supported")
+    return F.embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq)
+
+
+# dtorch.embedding is DTorch's, the nn.functional order (torch.embedding takes the weight first);
+# torch's other arguments are taken (torch.nn.Embedding passes them all), refused when set
+register(OpDef("embedding", "embedding(input: Tensor, weight: Tensor, padding_idx=None, "
+               "max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)",
+               F.embedding, embedding_rule, meta=_embedding_meta, functional=True))
 register(OpDef("one_hot", "one_hot(input: Tensor, num_classes=-1)", F.one_hot,
                batch_rule(dims=range(8)), meta=_one_hot_meta, functional=True,
                function=False))
