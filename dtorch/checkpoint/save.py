@@ -66,7 +66,7 @@ def save_checkpoint(module, path, *, async_: bool = False):
     try:
         tensors, tokens = _write_all(state, path, save_id, snapshot=async_)
     except BaseException as e:
-        raise _abandoned(path, save_id, e) from e
+        _abandon(path, save_id, e)
     if not async_:
         return _commit(path, save_id, tensors, tokens)
     future = SaveFuture()
@@ -137,21 +137,23 @@ def _commit(path: str, save_id: str, tensors: dict, tokens: list) -> str:
         sync_directory(path)
         index_path = commit.publish(path, save_id, tensors, files)
     except BaseException as e:
-        raise _abandoned(path, save_id, e) from e
+        _abandon(path, save_id, e)
     sync_directory(path)
     commit.remove_unnamed(path, set(files))  # the previous save's
     return index_path
 
 
-def _abandoned(path: str, save_id: str, e: BaseException) -> BaseException:
-    """What a failed save raises, once what it wrote is removed (the devices' writes under way
-    end first)."""
+def _abandon(path: str, save_id: str, e: BaseException):
+    """Removes what a failed save wrote (once the devices' writes under way end), then raises:
+    an ``OSError`` naming the directory, or ``e`` itself (called where ``e`` is handled)."""
     import dtorch  # (this package loads with dtorch itself)
 
     with contextlib.suppress(Exception):
         dtorch.sync()
     commit.abandon(path, save_id)
-    return commit.save_error(path, e) if isinstance(e, OSError) else e
+    if isinstance(e, OSError):
+        raise commit.save_error(path, e) from e
+    raise e
 
 
 def _snapshot(t: Tensor) -> Tensor:
