@@ -333,10 +333,12 @@ def test_a_trace_holds_exactly_the_work_issued_inside_it(pp, tmp_path):
 def test_the_timeline_shows_stages_overlapping(pp, tmp_path):
     """Eight micro-batches: stage 1 starts computing before stage 0 has finished (the hop of
     micro-batch 0 needs only its own stage-0 work, and seven more follow it there)."""
-    # each micro-batch computes for a few ms per stage, longer than a hop takes even on a busy
-    # machine
-    stages = [Stage(512, 4, pp[0]), Stage(512, 4, pp[1])]
-    x = dtorch.rand((8 * 64, 512), device_mesh=pp[0])
+    # each micro-batch computes for tens of ms per stage (1 GFLOP), so that stage 0's last one
+    # ends well after the first hop arrives, even when a busy machine makes a hop wait a
+    # scheduler slice or two (with 64 x 512 micro-batches, a few ms each, it once missed by
+    # 0.15 ms in a full run)
+    stages = [Stage(1024, 4, pp[0]), Stage(1024, 4, pp[1])]
+    x = dtorch.rand((8 * 128, 1024), device_mesh=pp[0])
     dtorch.nn.pipeline(stages, x, microbatches=8).sum().item()  # warm: groups, caches
     path = tmp_path / "pp.json"
     with dtorch.profiler.trace(str(path)):
