@@ -111,6 +111,8 @@ class Tensor:
             n *= s
         return n
 
+    is_meta = False  # (its blocks live on its mesh's devices; torch's loaders ask)
+
     @property
     def device(self) -> torch.device:
         return torch.device(self._spec.mesh.device_type)

@@ -21,7 +21,7 @@ import torch
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
-from .creation import PY_DTYPES, check_dtype
+from .creation import PY_DTYPES, check_dtype, from_torch
 from .elementwise import cast_rule
 from .registry import INPLACE, OVERWRITES, VIEW, OpDef, issue, register
 from .rules import Placed, expand, pointwise_rows
@@ -77,7 +77,13 @@ def check_tensor(name: str, value, param: str = "other") -> None:
 def copy_(input: Tensor, src: Tensor, non_blocking: bool = False) -> Tensor:
     """Copies ``src`` (broadcast and cast as torch does) into ``input``, which keeps its layout.
     ``src`` is redistributed to ``input``'s layout first, from any placements or mesh: loading a
-    state_dict needs no manual sharding."""
+    state_dict needs no manual sharding. A torch tensor of ``input``'s shape goes straight to
+    the devices, each receiving its block (torch's ``load_state_dict`` copies so into the
+    parameters of a module ``nn.parallelize`` laid out)."""
+    if isinstance(src, torch.Tensor):
+        same = tuple(src.shape) == tuple(input.shape)
+        src = from_torch(src.detach(), input.device_mesh,
+                         source_placements(input._spec, input._spec) if same else None)
     check_tensor("copy_", src, "src")
     if src.device_mesh != input.device_mesh:
         src = src.redistribute(input.device_mesh, source_placements(input._spec, src._spec))

@@ -1,0 +1,127 @@
+"""``parallelize(module, mesh, plan)``: an unported ``torch.nn.Module`` laid out on a mesh.
+
+Every parameter and buffer of ``module`` becomes a dtorch tensor on ``mesh`` in place (the
+module stays a torch module: its ``forward`` runs unchanged, and torch's functions on the dtorch
+tensors it now holds run dtorch's operators: ``client/overrides.py``). The layout of each is
+the plan's, by the qualified name of the module that holds it (``fnmatch`` patterns, first
+match wins; DTensor's ``parallelize_module`` styles):
+
+- ``"colwise"``: an ``nn.Linear``'s output features split on the tp dim: weight ``Shard(0)``,
+  bias ``Shard(0)``; its input is made Replicate there first, its output stays sharded on the
+  last dim. An ``nn.Embedding``'s columns (``Shard(1)``), its output made Replicate.
+- ``"rowwise"``: an ``nn.Linear``'s input features split: weight ``Shard(1)``, bias
+  Replicate; its input is made ``Shard(-1)`` there first, its output (a Partial sum) reduced to
+  Replicate.
+- ``"replicate"`` and everything the plan does not name: Replicate on every mesh dim, so a
+  mesh's ``dp`` dim is data parallelism by the batch's placement alone.
+
+The tp dim is the mesh's ``"tp"`` (``tp_dim=`` names another). Values are copied from the
+module's torch tensors, each device receiving its block; a module built on torch's meta
+device (no values) gets its layouts without values (``dtorch.nn.init_empty``'s) for
+``load_checkpoint`` to fill.
+
+>>> import dtorch, torch
+>>> mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+>>> torch.manual_seed(0)
+<torch._C.Generator object at ...>
+>>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+>>> x = torch.randn(3, 4)
+>>> want = mlp(x)
+>>> _ = dtorch.nn.parallelize(mlp, mesh, {"0": "colwise", "2": "rowwise"})
+>>> mlp[0].weight.placements, mlp[2].weight.placements
+([Shard(dim=0)], [Shard(dim=1)])
+>>> torch.allclose(mlp(dtorch.from_torch(x, mesh)).to_torch(), want, atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+import dtorch
+
+from ..mesh import DeviceMesh
+from ..ops.random_fill import init_empty
+from ..placement import Replicate, Shard
+from ..tensor import Tensor
+from .parameter import Buffer, Parameter
+
+STYLES = ("colwise", "rowwise", "replicate")
+
+
+def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = None, *,
+                tp_dim: str = "tp") -> torch.nn.Module:
+    """Lays ``module``'s parameters and buffers out on ``mesh`` in place, as ``plan`` says
+    (see the module doc); returns ``module``."""
+    plan = dict(plan or {})
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; the styles are "
+                             f"{STYLES}")
+    tp = mesh.dim_name_index(tp_dim) if mesh.has_dim_name(tp_dim) else None
+    if tp is None and any(s != "replicate" for s in plan.values()):
+        raise ValueError(f"parallelize: the plan shards on {tp_dim!r}, which the mesh "
+                         f"{mesh!r} lacks; name the tp dim with tp_dim=")
+    for name, sub in module.named_modules():
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate")
+        kinds = (torch.nn.Linear, torch.nn.Embedding) if style == "colwise" else torch.nn.Linear
+        if style != "replicate" and not isinstance(sub, kinds):
+            raise ValueError(f"parallelize: {name!r} is a {type(sub).__name__}; 'colwise' lays "
+                             f"out an nn.Linear or an nn.Embedding, 'rowwise' an nn.Linear")
+        for pname, p in list(sub._parameters.items()):
+            if p is not None and not isinstance(p, Tensor):
+                sub._parameters[pname] = Parameter(
+                    _laid_out(p, mesh, _placements(sub, pname, style, mesh, tp)),
+                    p.requires_grad)
+        for bname, b in list(sub._buffers.items()):
+            if b is not None and not isinstance(b, Tensor):
+                persistent = bname not in sub._non_persistent_buffers_set
+                sub._buffers[bname] = Buffer(_laid_out(b, mesh, [Replicate()] * mesh.ndim),
+                                             persistent=persistent)
+        if style != "replicate":
+            _hook(sub, style, tp)
+    return module
+
+
+def _placements(sub, pname: str, style: str, mesh, tp) -> list:
+    placements = [Replicate()] * mesh.ndim
+    if style == "colwise":
+        placements[tp] = Shard(1 if isinstance(sub, torch.nn.Embedding) else 0)
+    elif style == "rowwise" and pname == "weight":
+        placements[tp] = Shard(1)
+    return placements
+
+
+def _laid_out(t: torch.Tensor, mesh, placements) -> Tensor:
+    """A dtorch tensor of ``t``'s value in ``placements`` (each device gets its block); one
+    without a value where ``t`` has none (torch's meta device)."""
+    if t.is_meta:
+        with init_empty():
+            return dtorch.empty(tuple(t.shape), dtype=t.dtype, device_mesh=mesh,
+                                placements=placements)
+    return dtorch.from_torch(t.detach(), mesh, placements)
+
+
+def _hook(sub, style: str, tp: int) -> None:
+    """The input (and, rowwise, the output) laid out as the style takes them on the tp dim."""
+    def whole(x):
+        return _on_tp(x, tp, Replicate())
+
+    if style == "colwise" and isinstance(sub, torch.nn.Linear):
+        sub.register_forward_pre_hook(lambda m, args: (whole(args[0]), *args[1:]))
+    elif style == "colwise":  # an embedding's columns: its output made whole
+        sub.register_forward_hook(lambda m, args, out: whole(out))
+    else:
+        sub.register_forward_pre_hook(
+            lambda m, args: (_on_tp(args[0], tp, Shard(args[0].ndim - 1)), *args[1:]))
+        sub.register_forward_hook(lambda m, args, out: whole(out))
+
+
+def _on_tp(x, tp: int, placement):
+    if not isinstance(x, Tensor) or x.placements[tp] == placement:
+        return x
+    placements = list(x.placements)
+    placements[tp] = placement
+    return x.redistribute(placements=placements)
