@@ -103,3 +103,12 @@ def test_torchs_init_functions_run_on_dtorch_tensors(mesh1):
     with dtorch.nn.init_empty():  # nothing drawn inside
         torch.nn.init.uniform_(t)
     assert torch.equal(t.to_torch(), want)
+
+
+def test_cat_keeps_torchs_legacy_rule_for_empty_1d_tensors(mesh1):
+    """torch's cat skips a 1-D tensor with no elements (HF's DynamicCache starts from one)."""
+    x0 = g(4, 6)
+    x = dtorch.from_torch(x0, mesh1, [S0])
+    got = torch.cat([torch.tensor([]), x], dim=-1)
+    assert got.placements == [S0]
+    assert torch.equal(got.to_torch(), torch.cat([torch.tensor([]), x0], dim=-1))

@@ -8,7 +8,8 @@ operator of the same name in the same place: ``torch.nn.functional.X`` -> ``dtor
 .X``, ``torch.X`` -> ``dtorch.X``, ``torch.Tensor.X`` (an operator or method of a torch tensor
 meeting a dtorch one: ``torch_t + x``) -> ``dtorch.Tensor.X``; so the placement rules, errors and
 autograd are dtorch's. ``torch.nn.init``'s functions run as they are (they call the tensor's
-own in-place methods: ``dtorch.nn.init``). A torch tensor among the arguments (a torch module's weight, a constant)
+own in-place methods: ``dtorch.nn.init``). ``torch.cat`` keeps torch's legacy rule that a
+1-D tensor with no elements takes no part. A torch tensor among the arguments (a torch module's weight, a constant)
 is made a dtorch tensor first, Replicate on the mesh of the first dtorch tensor argument: correct
 for any layout, but a copy to every device at each call, and a constant (no gradient reaches
 a torch parameter: lay the module out once instead, ``load_state_dict`` into dtorch modules). What dtorch lacks raises ``NotImplementedError`` naming
@@ -59,7 +60,15 @@ def run(module, functional, tensor_cls, func, args, kwargs):
             f"{where} on dtorch tensors; use dtorch's operators (docs/ops.md), "
             f"dtorch.local_map, or read the value with .to_torch()")
     mesh = first.device_mesh
+    if func in _JOINS and args and isinstance(args[0], (list, tuple)):
+        # torch's legacy rule: a 1-D tensor with no elements takes no part in a cat (HF's
+        # DynamicCache starts each layer's keys from one)
+        args = ([t for t in args[0] if not (isinstance(t, torch.Tensor) and t.dim() == 1
+                                             and t.numel() == 0)], *args[1:])
     return ours(*_converted(args, mesh), **_converted(kwargs, mesh))
+
+
+_JOINS = (torch.cat, torch.concat, torch.concatenate)
 
 
 def _leaves(value):
