@@ -140,3 +140,18 @@ def test_plans_that_cannot_be_laid_out_raise(tp2):
     with pytest.raises(ValueError, match="lacks"):
         dtorch.nn.parallelize(mlp(), dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"]),
                               {"0": "colwise"})
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
+def test_hf_generate_unported_equals_hf(layout, hf_llama, tp2, dp2tp2):
+    """HF's own greedy ``generate`` (its DynamicCache, its stopping and padding code) on the
+    parallelized model, token for token."""
+    mesh = tp2 if layout == "tp2" else dp2tp2
+    model = copy.deepcopy(hf_llama).eval()
+    dtorch.nn.parallelize(model, mesh, LLAMA_PLAN)
+    x = ids(5)
+    batch = [S0, R] if mesh.ndim == 2 else [R]
+    got = model.generate(dtorch.from_torch(x, mesh, batch), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0)
+    want = hf_llama.eval().generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.to_torch() if isinstance(got, dtorch.Tensor) else got, want)

@@ -112,3 +112,28 @@ def test_cat_keeps_torchs_legacy_rule_for_empty_1d_tensors(mesh1):
     got = torch.cat([torch.tensor([]), x], dim=-1)
     assert got.placements == [S0]
     assert torch.equal(got.to_torch(), torch.cat([torch.tensor([]), x0], dim=-1))
+
+
+@pytest.mark.parametrize("placements", [[S0], [R]], ids=["S0", "R"])
+def test_isin_and_torch_tensor_operands_equal_torch(placements, mesh1):
+    x0 = torch.tensor([[1, 5, 0], [3, 0, 2], [7, 0, 9], [4, 4, 1]])
+    x = dtorch.from_torch(x0, mesh1, placements)
+    for test in (0, torch.tensor([3, 7, 1])):
+        for invert in (False, True):
+            got = torch.isin(x, test, invert=invert)
+            assert got.placements == placements
+            assert torch.equal(got.to_torch(), torch.isin(x0, test, invert=invert))
+    ones = torch.ones(4, 3, dtype=torch.long)  # a torch tensor with dims, as an operand
+    assert torch.equal((x + ones).to_torch(), x0 + ones)
+    assert torch.equal((x * torch.tensor([1, 2, 3])).to_torch(), x0 * torch.tensor([1, 2, 3]))
+
+
+def test_new_tensor_methods_take_the_tensors_dtype_and_mesh(mesh1):
+    x = dtorch.from_torch(g(4, 3).double(), mesh1, [S0])
+    for made, want in ((x.new_ones(2, 3), torch.ones(2, 3)), (x.new_zeros((5,)), torch.zeros(5)),
+                       (x.new_full((2,), 7), torch.full((2,), 7.0)),
+                       (x.new_tensor([1, 2]), torch.tensor([1.0, 2.0]))):
+        assert made.dtype == torch.float64 and made.device_mesh == mesh1
+        assert made.placements == [R] and torch.equal(made.to_torch(), want.double())
+    assert x.new_empty(3, dtype=torch.int32).dtype == torch.int32
+    assert x.new_ones(2, requires_grad=True).requires_grad

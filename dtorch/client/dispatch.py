@@ -217,13 +217,14 @@ def _sent_static(value):
 
 
 def _sent_operand(value, mesh):
-    """An operand as dtorch sends it: a NumPy scalar as its Python number, a 0-dim torch tensor
-    as a Replicate dtorch tensor on the call's mesh (so torch's type promotion for 0-dim tensors
-    holds: int tensor + float64 0-dim tensor is float64), an int or float subclass as the
-    number."""
+    """An operand as dtorch sends it: a NumPy scalar as its Python number, a torch tensor as a
+    Replicate dtorch tensor on the call's mesh (its value copied to every device at each call,
+    as torch's functions on dtorch tensors take one: ``client/overrides.py``; a 0-dim one so
+    keeps torch's type promotion: int tensor + float64 0-dim tensor is float64), an int or float
+    subclass as the number."""
     if _numpy_scalar(value):
         return _number(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+    if isinstance(value, torch.Tensor):
         m = mesh()
         return lookup("from_torch").front(value, m, [_REPLICATE] * m.ndim)
     if type(value) not in BY_VALUE and isinstance(value, (int, float)):

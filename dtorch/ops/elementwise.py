@@ -24,6 +24,7 @@ from ..placement import Partial, Shard
 from .rules import (
     ALL_PARTIALS,
     LINEAR_PARTIALS,
+    Placed,
     R,
     exact_cast,
     expand,
@@ -85,8 +86,17 @@ def _round_(input, decimals=0):
 _unary("round", MAX_MIN, ", *, decimals=0", _round, _round_)
 # copies leave every element as it is, so every Partial passes (max and min included).
 # contiguous returns its input when it already is contiguous: flagged as a view (may alias).
+def clone(input, *, memory_format=None):
+    """``torch.clone``: a copy of each block. A block's strides are not the program's to see, so
+    ``memory_format`` may be torch's preserve or contiguous format (HF's generate passes one)."""
+    if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+        raise NotImplementedError(f"dtorch.clone: memory_format={memory_format} is not "
+                                  f"supported (a block is contiguous)")
+    return issue("clone", (input,), ())
+
+
 register(OpDef("clone", "clone(input: Tensor)", torch.clone,
-               pointwise(linear=(0,), partials=ALL_PARTIALS), methods=("clone",)))
+               pointwise(linear=(0,), partials=ALL_PARTIALS), methods=("clone",), front=clone))
 register(OpDef("contiguous", "contiguous(input: Tensor)", T.contiguous,
                pointwise(linear=(0,), partials=ALL_PARTIALS), methods=("contiguous",),
                function=False, flags=VIEW))
@@ -372,3 +382,19 @@ def cuda(input, device=None, non_blocking=False, memory_format=torch.preserve_fo
 for _fn in (cpu, cuda):
     register(OpDef(_fn.__name__, f"{_fn.__name__}(input: Tensor)", None, None, front=_fn,
                    methods=(_fn.__name__,), function=False))
+
+
+# -- isin: each element looked up in a set every device holds whole ------------------------------
+
+
+def isin_rule(call) -> Placed:
+    """``elements`` in any sharded layout (each element is looked up on its own), the result
+    laid out alike; ``test_elements`` (a tensor) Replicate: the whole set on every device."""
+    specs = call.tensors
+    ndim = len(call.outs[0][0])
+    test = (R,) if len(specs) == 2 else ()
+    return expand(call, [((Shard(d),), (Shard(d), *test)) for d in range(ndim)])
+
+
+register(OpDef("isin", "isin(elements: Tensor, test_elements: Tensor, *, assume_unique=False, "
+               "invert=False)", torch.isin, isin_rule, methods=("isin",)))
