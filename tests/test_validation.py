@@ -416,9 +416,16 @@ def test_converted_operands_never_get_a_bound_of_their_own(one):
     assert not kinds & {np.float32, np.int64, np.bool_, torch.Tensor}, kinds
 
 
+@pytest.mark.parametrize("other", [torch.arange(3.0), torch.ones(1, 3)])
+def test_torch_tensors_with_dims_are_taken_as_operands(one, other):
+    """As torch's functions on dtorch tensors take them: Replicate on the call's mesh."""
+    x = dtorch.ones(3, device_mesh=one)
+    got = x + other
+    assert isinstance(got, dtorch.Tensor) and got.placements == [dtorch.Replicate()]
+    assert_close(got, torch.ones(3) + other, exact=True)
+
+
 @pytest.mark.parametrize("other, match", [
-    (torch.ones(3), "dtorch.from_torch"),  # a torch tensor with dims: it names the fix
-    (torch.ones(1, 3), "dtorch.from_torch"),
     (1 + 2j, "0-dim tensor"),  # torch takes it; dtorch cannot send complex numbers yet
     (np.complex128(1 + 2j), "0-dim tensor"),
     (np.array([1.0, 2.0, 3.0]), "Tensor"),  # torch's own words

@@ -276,17 +276,11 @@ def call_mesh(op, tensors, kw) -> DeviceMesh:
 
 def check_by_value(op, operands) -> None:
     """Refuses the operands left after ``as_sent`` that cannot travel by value (msgpack would
-    fail later, in the flusher thread): torch tensors with dims, and what torch accepts but
-    dtorch cannot send yet (complex numbers)."""
+    fail later, in the flusher thread): what torch accepts but dtorch cannot send yet (complex
+    numbers). (Torch tensors are dtorch tensors by then: ``_sent_operand``.)"""
     for o in operands:
         if isinstance(o, Tensor) or type(o) in BY_VALUE:
             continue
-        if isinstance(o, torch.Tensor):
-            raise TypeError(
-                f"dtorch.{op.name}: got a torch.Tensor operand of {o.dim()} dims; make it a "
-                f"dtorch.Tensor first with dtorch.from_torch(t, device_mesh=..., placements=...) "
-                f"(a 0-dim one is taken as it is)"
-            )
         fix = ("pass it as a 0-dim tensor, torch.tensor(value)" if isinstance(o, complex) else
                "make it a dtorch.Tensor with dtorch.from_torch")
         raise TypeError(f"dtorch.{op.name}: a {type(o).__name__} operand ({o!r}) cannot be sent "
