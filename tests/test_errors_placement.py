@@ -129,12 +129,16 @@ def test_error_names_the_op_the_user_called(mesh1):
             fn()
 
 
-def test_torch_tensor_operand_is_a_type_error(mesh1):
+def test_torch_tensor_operands_are_taken_replicate(mesh1):
+    """A torch tensor operand is made Replicate on the call's mesh (the default graph's mesh
+    where no operand is a dtorch tensor), as torch's functions on dtorch tensors take one."""
     x = dtorch.ones(4, device_mesh=mesh1)
-    with pytest.raises(TypeError, match="from_torch"):
-        x + torch.ones(4)
-    with pytest.raises(TypeError, match="from_torch"):
-        dtorch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    y = x + torch.arange(4.0)
+    assert y.device_mesh == mesh1 and y.placements == [Replicate()]
+    assert_close(y, torch.arange(4.0) + 1)
+    z = dtorch.mm(torch.ones(2, 3), torch.ones(3, 2))
+    assert isinstance(z, dtorch.Tensor) and z.device_mesh == dtorch.get_default_device_mesh()
+    assert_close(z, torch.full((2, 2), 3.0))
 
 
 def test_operands_on_different_meshes(mesh1, mesh2):

@@ -340,7 +340,7 @@ NO_GRADIENT = {
         "all", "any", "allclose", "equal", "argmax", "argmin", "argsort", "bitwise_and",
         "bitwise_not", "bitwise_or", "bitwise_xor", "eq", "ne", "lt", "le", "gt", "ge",
         "isfinite", "isinf", "isnan", "logical_and", "logical_not", "logical_or", "logical_xor",
-        "one_hot", "bool", "byte", "char", "int", "long", "short", "failure_token")},
+        "one_hot", "bool", "byte", "char", "int", "long", "short", "failure_token", "isin")},
     **{name: _NO_OPERAND for name in (
         "arange", "empty", "eye", "full", "linspace", "logspace", "ones", "zeros", "from_data",
         "rand", "randn", "randint", "randperm", "uninitialized")},
