@@ -233,7 +233,7 @@ def test_repeated_failures_are_reported_once():
 
 
 def test_many_distinct_failures_are_counted_not_kept():
-    s = session._current
+    s = session.current()  # (the running session, started here if a test before ended it)
     kept = []
     for k in range(40):  # 40 call sites: 40 distinct errors
         site = compile("kept.append(dtorch.tensor([1]) // 0)", f"<site {k}>", "exec")
