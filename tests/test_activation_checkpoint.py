@@ -207,3 +207,18 @@ def test_llama_training_with_gradient_checkpointing(layout, one, mesh2, monkeypa
         assert again == pytest.approx(plain, rel=1e-5)
         for a, b in zip(plain_w, again_w):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_region_records_nothing_but_its_node(one):
+    """What saves the memory: the forward inside the region is not on the tape (the hosts keep
+    no graph of its kernels); its output hangs on one node that reads the inputs alone."""
+    from dtorch.autograd import tape
+
+    block = Block(one, p=0.0)
+    x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
+    h = x * 2  # a recorded call before the region
+    out = dtorch.nn.checkpoint(block, h)
+    assert type(out._node.op) is tape.Recomputed
+    assert [o._id for o in out._node.operands] == [h._id]
+    plain = block(h)
+    assert type(plain._node.op) is not tape.Recomputed  # (without it: the block's own calls)
