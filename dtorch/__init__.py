@@ -25,6 +25,7 @@ from . import autograd, cuda, distributed_spec, global_option, graph, memory_sta
 from . import compiled_op  # noqa: F401
 from .autograd import enable_grad, inference_mode, no_grad, set_grad_enabled  # noqa: F401
 from .client import frontend as _frontend
+from .client.receiving import RuntimeFailed
 from .client.session import shutdown
 from .cluster.main_node import MainNode
 from .future import TensorFuture
@@ -54,6 +55,7 @@ from . import nn  # noqa: E402
 from . import amp, optim  # noqa: E402,F401
 from . import profiler  # noqa: E402,F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402,F401
+from . import elastic  # noqa: E402,F401
 
 _frontend.install(sys.modules[__name__], nn.functional, Tensor, {
     **autograd.TENSOR_METHODS,

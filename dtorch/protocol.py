@@ -331,6 +331,9 @@ class Fatal(NamedTuple):
     # the KernelErrors of the collectives the cause broke (controller/reports.py): in the same
     # message, so the client's first error names the cause and then what it broke
     broke: list = ()
+    # the global ids of the devices a death took (the dead host's, or the dead machine's); ()
+    # when the cause is no death
+    lost: list = ()
 
 
 # -- many machines --------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ LAYERS = {
     "dtorch.optim": WIRE | {"dtorch", "dtorch.buckets", "dtorch.nn", "dtorch.optim.kernels",
                             "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},
+    # training that survives lost devices: snapshots through checkpoints, a new mesh, again
+    "dtorch.elastic": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.optim", "dtorch.tensor"},
     "dtorch.models": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.nn", "dtorch.tensor"},
     # checking and timing programs against torch, as a user would
     "dtorch.util": {"dtorch"},

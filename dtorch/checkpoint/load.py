@@ -31,7 +31,8 @@ PROGRESS_STEP = 64 << 20  # bytes between two readings of the hosts' progress
 
 
 def load_checkpoint(module, path, *, key_map=None, dtype=None, strict=True, progress=None):
-    """Loads the checkpoint at ``path`` into ``module``: a ``.safetensors`` file, a directory
+    """Loads the checkpoint at ``path`` into ``module`` (or a dict of dtorch tensors, each
+    filled in place, as ``save_checkpoint`` takes one): a ``.safetensors`` file, a directory
     of them with an HF ``model.safetensors.index.json`` or ``save_checkpoint``'s index (saved on
     any mesh: each block is read from the pieces that overlap it), or a torch state dict.
 
@@ -60,18 +61,18 @@ def load_checkpoint(module, path, *, key_map=None, dtype=None, strict=True, prog
     >>> m.w.to_torch()[2]
     tensor([4., 5.])
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"load_checkpoint: expects a dtorch.nn.Module, got "
-                        f"{type(module).__name__}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"load_checkpoint: dtype must be a floating torch.dtype, got {dtype!r}")
+    targets = _targets(module, dtype)
     wait_for_saves()  # an async save still being written may be this checkpoint
     rename = renamer(key_map)
     file = index.torch_file(str(path))
     if file is not None:
+        if targets is not None:
+            raise TypeError("load_checkpoint: a dict of tensors loads from safetensors files; "
+                            f"{file} is a torch file (load it into a module)")
         return _load_torch(module, file, rename, dtype, strict)
     entries = remap(index.catalog(str(path)), rename)
-    targets = module.state_dict(keep_vars=True)
+    if targets is None:
+        targets = module.state_dict(keep_vars=True)
     missing = [k for k in targets if k not in entries]
     unexpected = [k for k in entries if k not in targets]
     keys = [k for k in targets if k in entries]
@@ -84,6 +85,23 @@ def load_checkpoint(module, path, *, key_map=None, dtype=None, strict=True, prog
     read_all(keys, targets, entries, progress)
     check_loaded(module, {k: targets[k] for k in keys if isinstance(targets[k], Tensor)})
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _targets(module, dtype) -> dict | None:
+    """The tensors a dict of them names (each filled in place, as ``save_checkpoint``'s dict
+    is written), or None for a module (its state dict, once the arguments are checked)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_checkpoint: dtype must be a floating torch.dtype, got {dtype!r}")
+    if isinstance(module, torch.nn.Module):
+        return None
+    if not isinstance(module, Mapping) or not all(isinstance(t, Tensor)
+                                                  for t in module.values()):
+        raise TypeError(f"load_checkpoint: expects a dtorch.nn.Module or a dict of dtorch "
+                        f"tensors, got {type(module).__name__}")
+    if dtype is not None:
+        raise TypeError("load_checkpoint: dtype= casts a module's parameters; a dict's tensors "
+                        "keep their dtypes (make them in the dtype wanted)")
+    return dict(module)
 
 
 def renamer(key_map):

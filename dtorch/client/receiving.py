@@ -20,6 +20,17 @@ MAX_REPORTED = 4096  # failed kernels remembered, so each is raised once however
 log = logs.client
 
 
+class RuntimeFailed(RuntimeError):
+    """The runtime failed: every later call raises this until ``dtorch.shutdown()``.
+    ``lost_devices``: the global ids of the devices a death took (the dead host's or machine's
+    devices), empty when the cause was no death (the controller's, a shutdown, ...);
+    ``dtorch.elastic`` recovers from such a loss."""
+
+    def __init__(self, message: str, lost_devices=()):
+        super().__init__(message)
+        self.lost_devices = tuple(lost_devices)
+
+
 class Receiving:
     """The methods of a Session that its receiver thread runs (``_receive``), and the failure
     of the runtime (``_die``), which any thread may call."""
@@ -122,7 +133,8 @@ class Receiving:
     def _on_fatal(self, msg, data) -> None:
         fatal = P.Fatal(*msg)
         broke = [P.KernelError(*e) for e in fatal.broke]
-        self._die(fatal.message, [self._describe(e.site, e.op, e.message) for e in broke])
+        self._die(fatal.message, [self._describe(e.site, e.op, e.message) for e in broke],
+                  fatal.lost)
 
     # what the receiver does with each message from the controller, by tag
     HANDLERS = {
@@ -140,18 +152,24 @@ class Receiving:
             return self.failures.get(site, f"an operator called at {where} failed on a device")
         return f"dtorch.{op} failed (called at {where}): {message}"
 
-    def _die(self, message: str, broke=()) -> None:
+    def _die(self, message: str, broke=(), lost=()) -> None:
         """Fails the runtime: ``message`` is the cause, ``broke`` the errors it caused (the
-        collectives a dead host broke, with their call sites), told after it."""
+        collectives a dead host broke, with their call sites), told after it; ``lost`` the
+        devices a death took."""
         if self.fatal is None:  # the first cause is the one to report
             before = broke or self.errors
             if before:
                 message += f". Reported before that: {before[0]}"
+            self.lost_devices = tuple(lost)
             self.fatal, self.alarm = message, True
         self._fail_all()
 
+    def failed(self, suffix: str = "") -> RuntimeFailed:
+        """The error every call raises once the runtime has failed."""
+        return RuntimeFailed(f"dtorch runtime failed: {self.fatal}{suffix}", self.lost_devices)
+
     def _fail_all(self) -> None:
-        error = RuntimeError(f"dtorch runtime failed: {self.fatal}")
+        error = self.failed()
         while self.pending:  # popitem is atomic: the user's thread may be adding a wait
             _, (future, _, _) = self.pending.popitem()
             future._finish(error=error)

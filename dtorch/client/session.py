@@ -169,6 +169,7 @@ class Session(Receiving):
         self.failures: dict = {}  # site -> its first kernel error (names a peer's poison)
         self.reported: dict = {}  # ids of failed kernels already seen (an ordered set)
         self.fatal = None
+        self.lost_devices = ()  # the devices whose death failed the runtime
         self.unsent: list = []  # errors of records that could not be serialized, for the next call
         self.alarm = False  # fatal or unsent: the next call must look (one check on the hot path)
         self.marks: deque = deque()  # futures of the flow-control marks in flight
@@ -468,8 +469,7 @@ class Session(Receiving):
         """The runtime's failure, or the records that could not be sent (then the runtime
         stays usable)."""
         if self.fatal is not None:
-            raise RuntimeError(f"dtorch runtime failed: {self.fatal}. Call dtorch.shutdown() to "
-                               "restart.")
+            raise self.failed(". Call dtorch.shutdown() to restart.")
         with self._errors_lock:
             unsent, self.unsent, self.alarm = self.unsent, [], self.fatal is not None
         if unsent:

@@ -115,6 +115,8 @@ class Controller:
         # the process groups' rendezvous store (a torch FileStore), private to this user
         self.store_dir = tempfile.mkdtemp(prefix="dtorch-store-")
         self.death = None  # a host or machine died: the client's error, once its reports are in
+        self.lost: list = []  # the devices of the dead host or machine (in the client's error)
+        self.host_devices: dict = {}  # host index -> the devices it serves
         self.tracing = False  # a Trace on is in force: a host that starts now must trace too
         self.trace_events = None  # from a Trace on to its stop: each batch's passes
         self.graph_dir = config.graph_dir  # where each batch's graph goes (DOT), or None
@@ -328,6 +330,7 @@ class Controller:
     def ensure_hosts(self, device_type: str, devices) -> None:
         for d in devices:
             index = self.facts.host_index(device_type, d)
+            self.host_devices.setdefault(index, set()).add(d)
             if index not in self.hosts:
                 child = local.start_host(index, device_type, self.host_addr, self.keys, self.facts)
                 host = self.hosts[index] = HostHandle(index, child)
@@ -448,7 +451,7 @@ class Controller:
         now = time.monotonic()
         if self.death is not None:
             if self.reports.has_report or now >= self.reports.until:
-                self.fatal(self.death)
+                self.fatal(self.death, self.lost)
             return
         if self.reports.holding and (now >= self.reports.until or self.heard_from_all()):
             self.reports.release()
@@ -487,11 +490,15 @@ class Controller:
         collectives it broke, so that the client's error names them too."""
         if self.death is None:
             self.death = f"{how}; its devices' work is lost"
+            if isinstance(peer, JoinedAgent):
+                self.lost = list(range(peer.first_device, peer.first_device + peer.join.devices))
+            else:
+                self.lost = sorted(self.host_devices.get(peer.index, ()))
             self.reports.hold()
 
-    def fatal(self, message: str) -> None:
+    def fatal(self, message: str, lost=()) -> None:
         try:
-            self.reports.fatal(message)
+            self.reports.fatal(message, lost)
         except zmq.ZMQError:
             pass
         self.running = False

@@ -81,7 +81,7 @@ class Reports:
         for _, frames in held:
             self._send(frames)
 
-    def fatal(self, message: str) -> None:
+    def fatal(self, message: str, lost=()) -> None:
         """The runtime failed: one Fatal naming the cause and carrying the held kernel errors
         (the collectives a death broke, which the client names after the death). The rest held
         (values, acknowledgements, failed fetches) would reach the user before the death's
@@ -89,7 +89,7 @@ class Reports:
         broke = [P.unpack(memoryview(frames[0])) for tag, frames in self.held
                  if tag == P.KERNEL_ERROR]
         self.held, self.until, self.has_report = [], None, False
-        self._send([P.pack(P.Fatal(P.FATAL, message, broke))])
+        self._send([P.pack(P.Fatal(P.FATAL, message, broke, list(lost)))])
 
 
 def collective_names(calls) -> frozenset:
