@@ -64,7 +64,15 @@ def train_step(state, seq):
 def probe_logits(model, batch) -> list:
     """A few of ``model``'s logits on the first two sequences of ``batch`` (no gradient)."""
     with torch.no_grad():
-        return model(batch[:2, :-1]).to_torch()[:, :3].flatten().tolist()
+        return model(batch[:2, :-1]).to_torch()[:, :3, :4].flatten().tolist()
+
+
+def runtime_pids() -> set:
+    """The controller's and hosts' pids of the runtime running now."""
+    from dtorch.client import session
+
+    s = session.running()
+    return {s.controller.pid, *children(s.controller.pid)} if s is not None else set()
 
 
 def host_pid(index: int) -> int | None:
@@ -106,6 +114,7 @@ def main(plan: dict) -> dict:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             pid = host_pid(device % hosts)
+            seen.update(runtime_pids())
             if pid is not None and pid not in dead:
                 time.sleep(0.3 * rng.random())
                 return kill(device)
@@ -123,7 +132,7 @@ def main(plan: dict) -> dict:
         lambda mesh: build(mesh, plan.get("zero", 0)), tuple(plan["mesh"]),
         plan.get("names", ["dp"]), spare_devices=plan.get("spares", ()),
         shrink=plan.get("shrink", True), snapshot_every=plan.get("every", 1), on_event=on_event)
-    losses, error, probe = [], None, None
+    losses, error, probe, seen = [], None, None, set()
     try:
         for k, batch in enumerate(batches, 1):
             if k in kills:  # at a random point of step k: a delay within a step's time
@@ -133,6 +142,7 @@ def main(plan: dict) -> dict:
                 timers.append(timer)
                 timer.start()
             t0 = time.perf_counter()
+            seen.update(runtime_pids())
             losses.append(run.step(train_step, batch))
             step_times.append(time.perf_counter() - t0)
             if k == plan.get("probe_after"):
@@ -151,7 +161,7 @@ def main(plan: dict) -> dict:
         run.close()
     dtorch.shutdown()
     return dict(losses=losses, events=events, killed=killed, error=error, times=step_times,
-                probe=probe)
+                probe=probe, pids=sorted(seen | {k["pid"] for k in killed}))
 
 
 if __name__ == "__main__":  # one plan, or a list of them run one after the other

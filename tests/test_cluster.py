@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -356,6 +357,42 @@ def test_a_stopped_agent_is_a_client_error_within_5s(cluster):
         proc.kill()  # a stopped process dies of SIGKILL too; its hosts follow
         dtorch.shutdown()
     wait_until(lambda: not any(map(alive, hosts)), timeout=10)
+
+
+def test_elastic_run_loses_a_machine_goes_on_and_grows_back_when_it_rejoins(cluster):
+    """dtorch.elastic over the cluster: machine 2's agent SIGKILLed during step 4, the run
+    goes on on machine 1's devices (dp 4 -> 2, the runtime started again and the devices
+    numbered anew); the agent started again joins, and at the next step boundary dp grows back
+    to 4. Every loss equals the uninterrupted run's (the same global batches)."""
+    import elastic_program as program
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
+               for _ in range(10)]
+
+    def build(mesh):
+        return program.build(mesh, 0)
+
+    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster") as run:
+        reference = [run.step(program.train_step, b) for b in batches]
+    victim = "127.0.0.3"
+    doomed = cluster.agents[victim]
+    hosts = children(doomed.pid)
+    losses, timer = [], threading.Timer(0.02, doomed.kill)
+    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster", regrow=True) as run:
+        for k, batch in enumerate(batches, 1):
+            if k == 4:
+                timer.start()
+            losses.append(run.step(program.train_step, batch))
+            if run.events and run.events[-1].kind == "recovered":
+                cluster.start(victim)  # the machine is back: its agent joins this runtime
+                assert dtorch.MainNode.wait_cluster_ready(2, timeout_second=READY_S)
+        events = [(e.kind, e.mesh_shape) for e in run.events]
+    timer.join()
+    wait_until(lambda: not any(map(alive, hosts)), timeout=10)
+    assert events == [("lost", (2,)), ("recovered", (2,)), ("grown", (4,))], run.events
+    assert set(run.events[0].lost_devices) == {2, 3}  # machine 2's devices
+    assert losses == pytest.approx(reference, abs=1e-5)
 
 
 # -- Ray ------------------------------------------------------------------------------------------

@@ -77,8 +77,9 @@ class Elastic:
     ``batch`` is the global batch, handed to ``fn`` sharded on ``dp_dim`` (and replicated on
     the other dims). ``step`` returns the loss as a float.
 
-    The mesh starts on ``devices`` (default ``0 .. n-1``) shaped ``mesh_shape`` with
-    ``mesh_dim_names``. After a loss, each lost device of the mesh is replaced by one of
+    The mesh starts on ``devices`` (default ``0 .. n-1``; ``"cluster"``: the first of
+    ``dtorch.cluster.devices()``, renumbered in each new runtime as the machines left join it,
+    waiting up to ``rejoin_timeout_s``) shaped ``mesh_shape`` with ``mesh_dim_names``. After a loss, each lost device of the mesh is replaced by one of
     ``spare_devices``; with none left, ``shrink`` drops its data-parallel slice; else the run
     stops with ``Unrecoverable`` (the last completed step's state stays in its ``snapshot``
     directory). ``snapshot_every``: steps between snapshots (a loss re-runs at most that many
@@ -93,11 +94,15 @@ class Elastic:
     def __init__(self, build: Callable, mesh_shape, mesh_dim_names=("dp",), *,
                  device_type: str = "cpu", devices=None, spare_devices=(), dp_dim: str = "dp",
                  shrink: bool = True, snapshot_every: int = 1, directory: str | None = None,
-                 on_event: Callable | None = None, regrow: bool = False, max_losses: int = 16):
+                 on_event: Callable | None = None, regrow: bool = False, max_losses: int = 16,
+                 rejoin_timeout_s: float = 120.0):
         shape, names = tuple(mesh_shape), tuple(mesh_dim_names)
         if len(shape) != len(names):
             raise ValueError(f"Elastic: mesh_shape {shape} and mesh_dim_names {names} differ "
                              f"in length")
+        self.cluster = devices == "cluster"  # ids from the cluster, renumbered each runtime
+        if self.cluster:
+            devices = _cluster_ids(math.prod(shape), timeout=0)
         devices = list(range(math.prod(shape)) if devices is None else devices)
         if len(devices) != math.prod(shape):
             raise ValueError(f"Elastic: {len(devices)} devices do not fill a mesh of shape "
@@ -110,6 +115,7 @@ class Elastic:
         self.start_dp = shape[self.dp_axis] if self.dp_axis is not None else None
         self.shrink, self.snapshot_every, self.on_event = shrink, snapshot_every, on_event
         self.regrow, self.max_losses, self.losses = regrow, max_losses, 0
+        self.rejoin_timeout_s = rejoin_timeout_s
         self._own_directory = directory is None
         self.directory = directory or tempfile.mkdtemp(
             prefix="dtorch-elastic-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -170,6 +176,11 @@ class Elastic:
     def _start(self) -> None:
         import dtorch
 
+        if self.cluster and self._lost_at is not None:  # a new runtime numbers anew
+            ids = _cluster_ids(len(self.layout.devices), timeout=self.rejoin_timeout_s)
+            new = dict(zip(sorted(self.layout.devices), ids))
+            self.layout = Layout(_nest([new[d] for d in self.layout.devices],
+                                       self.layout.shape), ())
         self._mesh = dtorch.DeviceMesh(self.device_type, self.layout.grid,
                                        mesh_dim_names=list(self.names))
         self._state = self.build(self._mesh)
@@ -286,6 +297,24 @@ class Elastic:
                     f", in {seconds:.2f} s" if kind != "lost" else "", message)
         if self.on_event is not None:
             self.on_event(event)
+
+
+def _cluster_ids(n: int, timeout: float) -> list:
+    """The first ``n`` device ids of the cluster (waiting up to ``timeout`` seconds for the
+    machines that survive to join this runtime)."""
+    import dtorch
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = sorted(d.id for d in dtorch.cluster.devices())
+        if len(ids) >= n:
+            return ids[:n]
+        if time.monotonic() >= deadline:
+            raise Unrecoverable(f"dtorch.elastic: the cluster has {len(ids)} devices, the mesh "
+                                f"needs {n} (the machines left did not join within "
+                                f"{timeout:.0f} s)")
+        wait = max(0.0, min(1.0, deadline - time.monotonic()))
+        dtorch.MainNode.wait_cluster_ready(dtorch.MainNode.num_node_in_cluster() + 1, wait)
 
 
 def _runtime_failed():

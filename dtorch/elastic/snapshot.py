@@ -57,10 +57,11 @@ def take(state: dict, step: int, directory: str) -> Snapshot:
         elif isinstance(obj, Optimizer):
             kept[name] = _replace_tensors(obj.state_dict(), f"{name}/", tensors)
         elif hasattr(obj, "state_dict"):
-            kept[name] = copy.deepcopy(obj.state_dict())
+            kept[name] = obj.state_dict()
             if _holds_dtorch(kept[name]):
                 raise TypeError(f"dtorch.elastic: the state's {name!r} ({type(obj).__name__}) "
                                 f"holds dtorch tensors; only modules and dtorch optimizers may")
+            kept[name] = copy.deepcopy(kept[name])
         else:
             raise TypeError(f"dtorch.elastic: the state's {name!r} is a {type(obj).__name__}; "
                             f"build(mesh) returns modules, dtorch optimizers and objects with "
