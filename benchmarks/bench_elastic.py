@@ -11,8 +11,9 @@ AdamW (ZeRO ``zero``), in this one run:
 2. the same under ``dtorch.elastic.Elastic`` with a snapshot every step (the redundancy that
    makes a loss cost one step), then every 10 steps: median step, and the ratio to (1);
 3. a run that loses a host (SIGKILL at a random point of a step): the time from the loss to
-   the run going again (``Event.seconds``: the runtime started anew on 3 devices, the state
-   built and loaded from the snapshot, the steps since it replayed) and the steps re-run.
+   the run going again (``ElasticEvent.seconds``: the runtime started anew on fewer devices,
+   the state built and loaded from the snapshot, the steps since it replayed) and the steps
+   re-run.
 
 Goal (the issue): a step with the redundancy at most 1.1x one without; recovery within 10 s.
 """

@@ -6,7 +6,8 @@ step. It prints one ``RESULT`` line: the losses, the events, the pids it saw and
     python elastic_program.py '{"mesh": [4], "zero": 2, "kills": [[7, 2]], "steps": 12}'
 
 ``kills``: ``[step, device]`` pairs (the host serving ``device`` is killed during ``step``);
-``kill_in_recovery``: a device whose host is killed in the runtime the first recovery starts.
+``kill_in_recovery``: a device whose host is killed in the runtime the first recovery starts;
+``batch``: the global batch's rows (12, which dp 4, 3, 2 and 1 divide).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def host_pid(index: int) -> int | None:
 def main(plan: dict) -> dict:
     rng = random.Random(plan.get("seed", 0))
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(plan["steps"])]
+    rows = plan.get("batch", BATCH)
+    batches = [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for _ in range(plan["steps"])]
     kills = {step: device for step, device in plan.get("kills", [])}
     hosts = int(os.environ.get("DTORCH_CPU_HOSTS", "1"))
     killed, step_times, timers = [], [], []

@@ -25,7 +25,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.elastic.policy import Layout, Unrecoverable, grow, remesh
+from dtorch.elastic.policy import Layout, Unrecoverable, fit, grow, remesh
 from dtorch.elastic import snapshot as snapshots
 from processes import TESTS_DIR, alive, run_client
 
@@ -95,6 +95,17 @@ def test_zero_sharded_state_comes_back_from_the_snapshot(zero):
     check_recovered(ref, run, 1, [3])
 
 
+def test_a_batch_three_devices_cannot_share_evenly_goes_to_dp2_with_a_spare():
+    """A global batch of 16 rows on dp4: after a loss dp is 2, not 3 (each step's batch stays
+    whole and evenly split), and the device left over replaces the next loss."""
+    ref, run = run_program([dict(mesh=[4], steps=10, zero=2, batch=16),
+                            dict(mesh=[4], steps=10, zero=2, batch=16, kills=[[3, 2], [6, 0]],
+                                 seed=8)], hosts=4)
+    check_recovered(ref, run, 2, [2])
+    first, second = [e for e in run["events"] if e["kind"] == "recovered"]
+    assert first["devices"] == [0, 1] and second["devices"] == [3, 1], run["events"]
+
+
 def test_dp_tp_a_lost_tp_member():
     """dp2 x tp2: a lost tp member's place taken by a spare (the mesh keeps its shape), or its
     whole tp group dropped (dp shrinks to 1); on dp1 x tp2 with no spare nothing can recover:
@@ -144,7 +155,24 @@ def test_grow_adds_whole_slices_up_to_the_start_size():
     assert grow(Layout([[0, 1]], ()), 2, 0, [0, 1, 5, 6, 7]) == Layout([[0, 1], [5, 6]], ())
     assert grow(Layout([[0, 1]], ()), 2, 0, [0, 1, 5]) == Layout([[0, 1]], ())  # half a slice
     assert grow(Layout([0, 2], ()), 4, 0, [0, 1, 2, 3]) == Layout([0, 2, 1, 3], ())
-    assert grow(Layout([0, 2], (9,)), 4, 0, [0, 2, 9, 8]) == Layout([0, 2, 8], (9,))
+    # devices that joined first, then the spares; only to sizes that divide the batch's rows
+    assert grow(Layout([0, 2], (9,)), 4, 0, [0, 2, 9, 8]) == Layout([0, 2, 8, 9], ())
+    assert grow(Layout([0, 2], (9,)), 4, 0, [0, 2, 9, 8, 7]) == Layout([0, 2, 8, 7], (9,))
+    assert grow(Layout([0, 2], ()), 4, 0, [0, 1, 2], rows=16) == Layout([0, 2], ())  # not 3
+    assert grow(Layout([0, 2], ()), 4, 0, [0, 1, 2, 3], rows=12) == Layout([0, 2, 1, 3], ())
+    assert grow(Layout([0, 2], ()), 4, 0, [0, 1, 2, 3], rows=6) == Layout([0, 2, 1], ())
+
+
+def test_dp_shrinks_to_a_size_that_divides_the_batch_and_keeps_the_rest_as_spares():
+    assert fit(Layout([0, 1, 2], ()), 0, 16) == Layout([0, 1], (2,))
+    assert fit(Layout([0, 1, 2], ()), 0, 12) == Layout([0, 1, 2], ())
+    assert fit(Layout([0, 1, 2], (7,)), 0, 5) == Layout([0], (7, 2, 1))  # last slice first
+    assert fit(Layout([[0, 1], [2, 3], [4, 5]], ()), 0, 4) == Layout([[0, 1], [2, 3]], (4, 5))
+    assert fit(Layout([[0, 1, 2], [3, 4, 5]], ()), 1, 4) == Layout([[0, 1], [3, 4]], (2, 5))
+    assert fit(Layout([[0, 1], [2, 3]], ()), None, 3) == Layout([[0, 1], [2, 3]], ())
+    assert fit(Layout([0, 1, 2], ()), 0, None) == Layout([0, 1, 2], ())
+    # a loss after it takes a spare the fit left: dp stays
+    assert remesh(fit(Layout([0, 1, 2], ()), 0, 16), [0], 0, True) == Layout([2, 1], ())
 
 
 # -- snapshots, in this session's runtime -------------------------------------------------------

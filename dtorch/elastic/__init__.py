@@ -42,13 +42,13 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import snapshot as snapshots
-from .policy import Layout, Unrecoverable, grow, remesh
+from .policy import Layout, Unrecoverable, fit, grow, remesh
 
-__all__ = ["Elastic", "Event", "Unrecoverable"]
+__all__ = ["Elastic", "ElasticEvent", "Unrecoverable"]
 log = logging.getLogger("dtorch.elastic")
 
 
-class Event(NamedTuple):
+class ElasticEvent(NamedTuple):
     """What a loss or a recovery did, as ``on_event`` and the log get it.
 
     ``kind``: ``"lost"`` (a host or machine died during step ``step + 1``), ``"recovered"``
@@ -79,16 +79,19 @@ class Elastic:
 
     The mesh starts on ``devices`` (default ``0 .. n-1``; ``"cluster"``: the first of
     ``dtorch.cluster.devices()``, renumbered in each new runtime as the machines left join it,
-    waiting up to ``rejoin_timeout_s``) shaped ``mesh_shape`` with ``mesh_dim_names``. After a loss, each lost device of the mesh is replaced by one of
-    ``spare_devices``; with none left, ``shrink`` drops its data-parallel slice; else the run
-    stops with ``Unrecoverable`` (the last completed step's state stays in its ``snapshot``
+    waiting up to ``rejoin_timeout_s``) shaped ``mesh_shape`` with ``mesh_dim_names``. After
+    a loss, each lost device of the mesh is replaced by one of ``spare_devices``; with none
+    left, ``shrink`` drops its data-parallel slice, and further slices until dp divides the
+    global batch's rows (those devices become spares); else the run stops with
+    ``Unrecoverable`` (the last completed step's state stays in its ``snapshot``
     directory). ``snapshot_every``: steps between snapshots (a loss re-runs at most that many
     steps). ``directory``: where snapshots go (default: a fresh directory in ``/dev/shm``,
     memory that outlives the processes; a machine's loss needs storage the other machines
-    read). ``on_event``: called with each ``Event``. ``regrow``: at each step boundary while
+    read). ``on_event``: called with each ``ElasticEvent``. ``regrow``: at each step boundary while
     the data-parallel dim is below its start, add devices ``dtorch.cluster.devices()`` lists
-    that the run does not use (machines that joined again). ``max_losses``: losses after which
-    a further one is not recovered.
+    that the run does not use (machines that joined again), then spares, up to a dp that
+    divides the batch's rows. ``max_losses``: losses after which a further one is not
+    recovered.
     """
 
     def __init__(self, build: Callable, mesh_shape, mesh_dim_names=("dp",), *,
@@ -221,6 +224,11 @@ class Elastic:
         self._committed, self._pending = pending, None
         self._kept = [k for k in self._kept if k[0] > pending.step]
 
+    def _rows(self) -> int | None:
+        """The global batch's rows of the step being run (what a dp size must divide)."""
+        batch = self._kept[-1][2] if self._kept else ()
+        return next((b.shape[0] for b in batch if _is_torch(b) and b.dim()), None)
+
     def _dp(self) -> int:
         return self.layout.shape[self.dp_axis]
 
@@ -246,7 +254,8 @@ class Elastic:
             raise Unrecoverable(f"dtorch.elastic: {self.losses} losses, more than max_losses="
                                 f"{self.max_losses}: {error}", self.directory, step) from error
         try:
-            self.layout = remesh(self.layout, lost, self.dp_axis, self.shrink)
+            self.layout = fit(remesh(self.layout, lost, self.dp_axis, self.shrink),
+                              self.dp_axis, self._rows())
         except Unrecoverable as e:
             raise Unrecoverable(f"dtorch.elastic: {e}; the state of step {step} is in the "
                                 f"snapshot at {self.directory} (dtorch.load_checkpoint reads it "
@@ -272,7 +281,7 @@ class Elastic:
         import dtorch
 
         available = [d.id for d in dtorch.cluster.devices()]
-        grown = grow(self.layout, self.start_dp, self.dp_axis, available)
+        grown = grow(self.layout, self.start_dp, self.dp_axis, available, self._rows())
         if grown.devices == self.layout.devices:
             return
         began = time.monotonic()
@@ -289,7 +298,7 @@ class Elastic:
 
     def _emit(self, kind: str, lost: tuple, seconds: float, restored, replayed: int,
               message: str) -> None:
-        event = Event(kind, self.steps, tuple(lost), self.layout.devices, self.layout.shape,
+        event = ElasticEvent(kind, self.steps, tuple(lost), self.layout.devices, self.layout.shape,
                       seconds, restored, replayed, message)
         self.events.append(event)
         log.warning("dtorch.elastic: %s at step %d (lost %s): mesh %s on devices %s%s; %s",

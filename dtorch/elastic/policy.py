@@ -8,10 +8,14 @@ The rules, in order, for each lost device of the mesh:
    group is whole or gone, since its members hold different shards of every layer);
 3. else the loss cannot be recovered: ``Unrecoverable`` names what was missing.
 A lost spare just leaves the pool; a lost device the mesh does not use changes nothing.
+Then (``fit``) the data-parallel dim shrinks further until it divides the global batch's rows,
+which stay as they were (each step's batch, hence the loss curve, is the uninterrupted run's,
+and each dp slice gets an equal share); the slices it drops wait as spares for the next loss.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 
@@ -67,21 +71,40 @@ def remesh(layout: Layout, lost, dp_axis: int | None, shrink: bool) -> Layout:
     return Layout(grid, tuple(spares))
 
 
-def grow(layout: Layout, target_dp: int, dp_axis: int, available) -> Layout:
-    """``layout`` with data-parallel slices added from ``available`` devices (not already in
-    the mesh) until dp is ``target_dp`` or too few are left: at a step boundary, when machines
-    came back."""
-    free = [d for d in available if d not in set(layout.devices) and d not in layout.spares]
+def fit(layout: Layout, dp_axis: int | None, rows: int | None) -> Layout:
+    """``layout`` with its last data-parallel slices moved to the spares until dp divides
+    ``rows`` (the global batch's; None: no batch to divide)."""
+    if dp_axis is None or not rows:
+        return layout
+    grid, spares = layout.grid, list(layout.spares)
+    while rows % Layout(grid, ()).shape[dp_axis]:
+        last = Layout(grid, ()).shape[dp_axis] - 1
+        kept = _drop_index(grid, dp_axis, last)
+        dropped = set(Layout(grid, ()).devices) - set(Layout(kept, ()).devices)
+        spares += [d for d in Layout(grid, ()).devices if d in dropped]
+        grid = kept
+    return Layout(grid, tuple(spares))
+
+
+def grow(layout: Layout, target_dp: int, dp_axis: int, available, rows: int | None = None
+         ) -> Layout:
+    """``layout`` with data-parallel slices added, at a step boundary, when devices came back:
+    to the largest dp up to ``target_dp`` that the devices allow and that divides ``rows``
+    (the global batch's), taking devices that joined (``available`` ones not in the mesh) before
+    the spares."""
+    in_mesh, spares = set(layout.devices), list(layout.spares)
+    free = [d for d in available if d not in in_mesh and d not in spares] + spares
     shape = layout.shape
-    per_slice = 1
-    for k, n in enumerate(shape):
-        per_slice *= n if k != dp_axis else 1
+    per_slice = math.prod(shape) // shape[dp_axis]
+    sizes = [n for n in range(shape[dp_axis] + 1, target_dp + 1)
+             if (n - shape[dp_axis]) * per_slice <= len(free) and not (rows and rows % n)]
+    if not sizes:
+        return layout
     grid = layout.grid
-    while shape[dp_axis] < target_dp and len(free) >= per_slice:
+    for _ in range(max(sizes) - shape[dp_axis]):
         new, free = free[:per_slice], free[per_slice:]
-        grid = _append(grid, dp_axis, new, shape)
-        shape = Layout(grid, ()).shape
-    return Layout(grid, layout.spares)
+        grid = _append(grid, dp_axis, new, Layout(grid, ()).shape)
+    return Layout(grid, tuple(d for d in spares if d in free))
 
 
 def _flatten(grid):
