@@ -9,7 +9,8 @@ AdamW (ZeRO ``zero``), in this one run:
 1. ``steps`` steps in a plain loop (the same step function, its loss read each step as
    ``Elastic.step`` reads it): the median step;
 2. the same under ``dtorch.elastic.Elastic`` with a snapshot every step (the redundancy that
-   makes a loss cost one step), then every 10 steps: median step, and the ratio to (1);
+   makes a loss cost one step), then every 2 and every 10 steps: median and mean step, and
+   their ratios to (1) (a snapshot every k steps costs one step in k, which the mean shows);
 3. a run that loses a host (SIGKILL at a random point of a step): the time from the loss to
    the run going again (``ElasticEvent.seconds``: the runtime started anew on fewer devices,
    the state built and loaded from the snapshot, the steps since it replayed) and the steps
@@ -88,10 +89,10 @@ def main(steps: int, hidden: int, zero: int) -> None:
             plain.append(time.perf_counter() - t0)
     del state
     dtorch.shutdown()
-    base = statistics.median(plain)
-    print(f"plain loop           median step {base * 1e3:7.1f} ms")
+    base, base_mean = statistics.median(plain), statistics.mean(plain)
+    print(f"plain loop           median step {base * 1e3:7.1f} ms; mean {base_mean * 1e3:7.1f} ms")
 
-    for every in (1, 10):
+    for every in (1, 2, 10):
         with dtorch.elastic.Elastic(lambda m: build(m, hidden, zero), (4,), ["dp"],
                                     snapshot_every=every) as run:
             times = []
@@ -101,9 +102,10 @@ def main(steps: int, hidden: int, zero: int) -> None:
                 if k >= 3:
                     times.append(time.perf_counter() - t0)
         dtorch.shutdown()
-        median = statistics.median(times)
+        # a snapshot every k steps costs one step in k: its mean shows it, a median may not
+        median, mean = statistics.median(times), statistics.mean(times)
         print(f"snapshot every {every:<2d}    median step {median * 1e3:7.1f} ms  "
-              f"{median / base:5.2f}x plain")
+              f"{median / base:5.2f}x plain; mean {mean * 1e3:7.1f} ms  {mean / base_mean:5.2f}x")
 
     rng = random.Random(0)
     with dtorch.elastic.Elastic(lambda m: build(m, hidden, zero), (4,), ["dp"]) as run:

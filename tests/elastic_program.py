@@ -134,7 +134,7 @@ def main(plan: dict) -> dict:
         lambda mesh: build(mesh, plan.get("zero", 0)), tuple(plan["mesh"]),
         plan.get("names", ["dp"]), spare_devices=plan.get("spares", ()),
         shrink=plan.get("shrink", True), snapshot_every=plan.get("every", 1), on_event=on_event)
-    losses, error, probe, seen = [], None, None, set()
+    losses, error, probe, seen = [], None, {}, set()
     try:
         for k, batch in enumerate(batches, 1):
             if k in kills:  # at a random point of step k: a delay within a step's time
@@ -147,8 +147,8 @@ def main(plan: dict) -> dict:
             seen.update(runtime_pids())
             losses.append(run.step(train_step, batch))
             step_times.append(time.perf_counter() - t0)
-            if k == plan.get("probe_after"):
-                probe = probe_logits(run.state["model"], batches[0])
+            if k in plan.get("probe_after", ()):
+                probe[k] = probe_logits(run.state["model"], batches[0])
     except dtorch.elastic.Unrecoverable as e:
         error = dict(message=str(e), snapshot=e.snapshot, step=e.step)
         if plan.get("read_snapshot"):  # the last completed step's state, on one device

@@ -105,27 +105,39 @@ def test_round_trip_across_layouts(tmp_path, source, target):
         assert t.placements == list(PLACEMENTS[target].get(key, [R])), key
 
 
-def test_each_device_writes_its_own_blocks_once(tmp_path):
-    """TP2 with a replicated dim: two rank files, each an ordinary safetensors file holding
-    its blocks; Replicate values are written once; the index says where each block is."""
+def test_each_device_writes_its_own_share_once(tmp_path):
+    """dp2 x tp2: every device writes an ordinary safetensors file of its blocks, each element
+    once; a Replicate mesh dim is written as a shard of a tensor dim no other mesh dim shards
+    (so the replicas share the writing), on the largest such dim; where no tensor dim is left
+    (a vector on two Replicate dims) one coordinate writes; the index says where each is."""
     mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])
-    values = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.arange(3.0)}
-    layouts = {"w": [R, Shard(0)], "b": [R, R]}
+    values = {"w": torch.arange(15.0).reshape(5, 3), "b": torch.arange(3.0),
+              "s": torch.tensor(7.0)}
+    layouts = {"w": [R, Shard(0)], "b": [R, R], "s": [R, R]}
     save_checkpoint(build(values, lambda k, v: (mesh, layouts[k])), tmp_path)
     index = json.loads((tmp_path / "dtorch.index.json").read_text())
-    save_id = index["save_id"]
-    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    assert files == [f"rank00000-mesh0-{save_id}.safetensors",
-                     f"rank00001-mesh0-{save_id}.safetensors"]
+    files = [f"rank{d:05d}-mesh0-{index['save_id']}.safetensors" for d in range(4)]
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors")) == files
     assert index["files"] == {f: {"size": os.path.getsize(tmp_path / f)} for f in files}
-    first, second = (load_file(tmp_path / f) for f in files)
-    assert torch.equal(first["w"], values["w"][:3]) and torch.equal(second["w"], values["w"][3:])
-    assert torch.equal(first["b"], values["b"]) and "b" not in second
+    # w: rows split on tp (3 + 2), columns on dp (2 + 1); device = 2 * dp + tp
     assert index["tensors"]["w"]["pieces"] == [
-        {"file": files[0], "key": "w", "offsets": [0, 0], "shape": [3, 3]},
-        {"file": files[1], "key": "w", "offsets": [3, 0], "shape": [2, 3]}]
-    with safe_open(tmp_path / files[0], "pt") as f:
-        assert sorted(f.keys()) == ["b", "w"]
+        {"file": files[0], "key": "w", "offsets": [0, 0], "shape": [3, 2]},
+        {"file": files[1], "key": "w", "offsets": [3, 0], "shape": [2, 2]},
+        {"file": files[2], "key": "w", "offsets": [0, 2], "shape": [3, 1]},
+        {"file": files[3], "key": "w", "offsets": [3, 2], "shape": [2, 1]}]
+    # b: split on dp only (its one dim is taken), written by tp coordinate 0; s by device 0
+    assert index["tensors"]["b"]["pieces"] == [
+        {"file": files[0], "key": "b", "offsets": [0], "shape": [2]},
+        {"file": files[2], "key": "b", "offsets": [2], "shape": [1]}]
+    assert index["tensors"]["s"]["pieces"] == [
+        {"file": files[0], "key": "s", "offsets": [], "shape": []}]
+    held = [load_file(tmp_path / f) for f in files]
+    assert torch.equal(held[3]["w"], values["w"][3:, 2:]) and sorted(held[3]) == ["w"]
+    assert torch.equal(held[2]["b"], values["b"][2:]) and sorted(held[2]) == ["b", "w"]
+    assert sorted(held[0]) == ["b", "s", "w"] and torch.equal(held[0]["s"], values["s"])
+    loaded = build({k: torch.zeros_like(v) for k, v in values.items()}, on_one)
+    load_checkpoint(loaded, tmp_path)
+    assert_holds(loaded, values)
 
 
 def test_tied_and_client_tensors(tmp_path):

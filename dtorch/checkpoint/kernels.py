@@ -30,8 +30,8 @@ checks every header and index before a host reads (``checkpoint/headers.py``).
 ``write_safetensors(plan, *tensors)`` writes, on every device, the blocks it owns of
 ``tensors`` to one safetensors file (``plan``: msgpack ``[directory, name, keys]``, ``name`` a
 ``str.format`` template of ``device``). A block is written once: by the device at coordinate 0 of
-every mesh dim the tensor is not sharded on (``writes_block``); the caller reduces Partial
-tensors first. The bytes stream from each block to the file with no copy (safetensors'
+every mesh dim the tensor is not sharded on (``writes_block``); the caller lays Partial and,
+where a tensor dim fits, Replicate mesh dims out as shards first (``save.write_layout``). The bytes stream from each block to the file with no copy (safetensors'
 ``save_file`` would copy every tensor to bytes first), and the file and its directory are
 fsynced before the kernel returns. The name is new (``save_checkpoint``'s carry a save id), so
 nothing older is touched; a write that fails removes what it wrote. The result is a 0-dim

@@ -5,11 +5,15 @@ device). The save is committed as a database commits (``commit.py``): a crash le
 checkpoint or the new one, never a mix.
 
 Files are ``rank{device:05d}-mesh{k}-{save id}.safetensors`` (``k``: the tensors' mesh, in the
-order the state dict first names it; most models have one). A Replicate mesh dim's copies are
-written once (by coordinate 0), a Partial tensor is reduced first (an all-reduce, then written
-as Replicate), a tensor at two keys (tied weights) once, and a torch tensor among a dtorch
-module's by the client (``client-{save id}.safetensors``). Each rank file is an ordinary
-safetensors file (one block per key), so safetensors' own tools read it.
+order the state dict first names it; most models have one). Every element is written once,
+and the devices share the writing: a tensor's Replicate or Partial mesh dims are written as if
+they sharded a tensor dim that no other mesh dim shards (``write_layout``: a Replicate copy
+keeps its chunk, a local copy of its share; a Partial is reduce-scattered), so each device
+writes its share of a replicated tensor rather than coordinate 0 writing all of it; a dim that
+no tensor dim fits stays Replicate and coordinate 0 writes it. A tensor at two keys (tied
+weights) is written once, and a torch tensor among a dtorch module's by the client
+(``client-{save id}.safetensors``). Each rank file is an ordinary safetensors file (one block
+per key), so safetensors' own tools read it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import msgpack
 import torch
 
-from ..placement import Partial, Replicate, local_region, plain
+from ..placement import Partial, Replicate, Shard, local_region, plain
 from ..tensor import Tensor
 from . import commit, index
 from .kernels import sync_directory, write_blocks, write_file, writes_block
@@ -156,16 +160,55 @@ def _abandon(path: str, save_id: str, e: BaseException):
     raise e
 
 
-def _snapshot(t: Tensor) -> Tensor:
-    """A copy of ``t`` as it is now, made on the snapshots' graph (``save_checkpoint``)."""
+def _as_written(t: Tensor, snapshot: bool) -> Tensor:
+    """``t`` in its ``write_layout``. ``snapshot``: a copy of it as it is now, made on the
+    snapshots' graph (``save_checkpoint(async_=True)``): the redistribute, whose result is a
+    tensor of its own, is that copy where the layout changes."""
     import dtorch
 
+    placements = write_layout(t)
+    if not snapshot:
+        return t if placements == list(t.placements) else t.redistribute(placements=placements)
     if not _snapshots:
         _snapshots.append(dtorch.Graph())
     graph = _snapshots[0]
+    if placements != list(t.placements):
+        with graph:
+            return t.redistribute(placements=placements)
     copy = dtorch.empty_like(t, graph=graph)
     with graph:
         return copy.copy_(t)
+
+
+def write_layout(t: Tensor) -> list:
+    """The placements ``t`` is written in: each Replicate or Partial mesh dim (of more than
+    one device) shards the largest tensor dim that no other mesh dim shards and that has a row
+    for each of its devices, so the devices write equal shares; a sub-split Shard is made
+    plain (a file holds each device's block as one box of the tensor); a Partial that no
+    tensor dim fits is reduced to Replicate (written once, by coordinate 0).
+
+    >>> import dtorch
+    >>> mesh = dtorch.DeviceMesh("cpu", [[0, 1], [2, 3]])
+    >>> t = dtorch.zeros(5, 3, device_mesh=mesh, placements=[Replicate(), Shard(0)])
+    >>> write_layout(t)
+    [Shard(dim=1), Shard(dim=0)]
+    >>> write_layout(dtorch.zeros(3, device_mesh=mesh, placements=[Replicate(), Replicate()]))
+    [Shard(dim=0), Replicate()]
+    """
+    placements = [plain(p) for p in t.placements]
+    taken = {p.dim for p in placements if isinstance(p, Shard)}
+    for i, p in enumerate(placements):
+        n = t.device_mesh.shape[i]
+        if isinstance(p, Shard) or (n == 1 and not isinstance(p, Partial)):
+            continue
+        fits = [d for d in range(t.dim()) if d not in taken and t.shape[d] >= n]
+        if fits:
+            d = max(fits, key=lambda d: (t.shape[d], -d))
+            taken.add(d)
+            placements[i] = Shard(d)
+        else:
+            placements[i] = Replicate()
+    return placements
 
 
 def _write_all(state, path: str, save_id: str, snapshot: bool = False) -> tuple:
@@ -179,8 +222,8 @@ def _write_all(state, path: str, save_id: str, snapshot: bool = False) -> tuple:
             continue
         first[id(t)] = key
         if isinstance(t, Tensor):
-            t = _reduced(t)
-            groups.setdefault(t.device_mesh, []).append((key, _snapshot(t) if snapshot else t))
+            t = _as_written(t, snapshot)
+            groups.setdefault(t.device_mesh, []).append((key, t))
         elif isinstance(t, torch.Tensor):
             on_client.append((key, t.detach()))
         else:
@@ -200,15 +243,6 @@ def _write_all(state, path: str, save_id: str, snapshot: bool = False) -> tuple:
                 tensors[key]["pieces"].append({"file": name, "key": key,
                                                "offsets": [0] * t.dim(), "shape": list(t.shape)})
     return tensors, tokens
-
-
-def _reduced(t: Tensor) -> Tensor:
-    """``t`` with its Partial mesh dims reduced to Replicate (the value, written once), and a
-    sub-split Shard made plain (a file holds each device's block as one box of the tensor)."""
-    writable = [Replicate() if isinstance(p, Partial) else plain(p) for p in t.placements]
-    if writable == t.placements:
-        return t
-    return t.redistribute(placements=writable)
 
 
 def _add_pieces(tensors: dict, mesh, name: str, items) -> None:

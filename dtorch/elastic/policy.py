@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 class Unrecoverable(RuntimeError):
     """No policy can go on after a loss (no spare, and no data-parallel copy to drop to). The
-    state of the last completed step is in ``snapshot`` (a ``save_checkpoint`` directory,
-    loadable on any mesh with ``load_checkpoint``), ``step`` steps in (None: none yet)."""
+    last committed snapshot is in ``snapshot`` (a ``save_checkpoint`` directory, loadable on
+    any mesh with ``load_checkpoint``), ``step`` steps in (None: none yet): the last completed
+    step's, or the one before it when the loss came while that step's was being written."""
 
     def __init__(self, message: str, snapshot: str | None = None, step: int | None = None):
         super().__init__(message)
