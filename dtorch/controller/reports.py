@@ -27,7 +27,7 @@ so that the client's error still names the collective it broke.
 ([], True, True)
 >>> reports.fatal("host 1 died")
 >>> [P.unpack(frame) for frame in sent]  # the death with the report it broke, not the sync
-[[16, 'host 1 died', [['gloo failed']]]]
+[[16, 'host 1 died', [['gloo failed']], []]]
 """
 
 from __future__ import annotations
