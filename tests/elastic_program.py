@@ -7,7 +7,9 @@ step. It prints one ``RESULT`` line: the losses, the events, the pids it saw and
 
 ``kills``: ``[step, device]`` pairs (the host serving ``device`` is killed during ``step``);
 ``kill_in_recovery``: a device whose host is killed in the runtime the first recovery starts;
-``batch``: the global batch's rows (12, which dp 4, 3, 2 and 1 divide).
+``batch``: the global batch's rows (12, which dp 4, 3, 2 and 1 divide); ``trace``: the run
+inside a ``dtorch.profiler`` trace (its elastic spans and the devices its kernels ran on come
+back).
 """
 
 from __future__ import annotations
@@ -134,7 +136,9 @@ def main(plan: dict) -> dict:
         lambda mesh: build(mesh, plan.get("zero", 0)), tuple(plan["mesh"]),
         plan.get("names", ["dp"]), spare_devices=plan.get("spares", ()),
         shrink=plan.get("shrink", True), snapshot_every=plan.get("every", 1), on_event=on_event)
-    losses, error, probe, seen = [], None, {}, set()
+    losses, error, probe, seen, trace = [], None, {}, set(), None
+    if plan.get("trace"):
+        dtorch.profiler.start()
     try:
         for k, batch in enumerate(batches, 1):
             if k in kills:  # at a random point of step k: a delay within a step's time
@@ -159,11 +163,18 @@ def main(plan: dict) -> dict:
             error["logits"] = probe_logits(one, batches[0])
     for timer in timers:
         timer.join()
+    if plan.get("trace"):  # the elastic track's spans, and the devices whose kernels it shows
+        events_ = dtorch.profiler.stop()
+        trace = dict(spans=[[e["name"], e["dur"]] for e in events_ if e["ph"] == "X"
+                            and e["tid"] == dtorch.profiler.ELASTIC_TRACK
+                            and e["pid"] == dtorch.profiler.CLIENT_PID],
+                     devices=sorted({e["pid"] for e in events_ if e["ph"] == "X"
+                                     and e["pid"] < dtorch.profiler.CLIENT_PID}))
     if not plan.get("keep_snapshot"):
         run.close()
     dtorch.shutdown()
     return dict(losses=losses, events=events, killed=killed, error=error, times=step_times,
-                probe=probe, pids=sorted(seen | {k["pid"] for k in killed}))
+                probe=probe, trace=trace, pids=sorted(seen | {k["pid"] for k in killed}))
 
 
 if __name__ == "__main__":  # one plan, or a list of them run one after the other

@@ -113,7 +113,8 @@ def test_dp_tp_a_lost_tp_member():
     names = ["dp", "tp"]
     ref, spared, shrunk, ref12, stuck = run_program([
         dict(mesh=[2, 2], names=names, steps=10),
-        dict(mesh=[2, 2], names=names, steps=10, kills=[[4, 3]], spares=[4], seed=5),
+        dict(mesh=[2, 2], names=names, steps=10, kills=[[4, 3]], spares=[4], seed=5,
+             trace=True),
         dict(mesh=[2, 2], names=names, steps=10, kills=[[4, 0]], seed=6),
         dict(mesh=[1, 2], names=names, steps=6, probe_after=[2, 3]),
         dict(mesh=[1, 2], names=names, steps=6, kills=[[4, 1]], read_snapshot=True,
@@ -121,6 +122,13 @@ def test_dp_tp_a_lost_tp_member():
     ], hosts=5)
     check_recovered(ref, spared, 1, [2, 2])
     assert spared["events"][-1]["devices"] == [0, 1, 2, 4]
+    # the trace recorded across the loss: the loss (a mark), the recovery (a span as long as
+    # it took), and the new runtime's kernels, the spare's among them
+    (lost, zero), (recovered, took) = spared["trace"]["spans"]
+    assert lost.startswith("dtorch.elastic: lost at step") and "host 3 pid" in lost
+    assert zero == 0 and recovered.startswith("dtorch.elastic: recovered at step")
+    assert took == pytest.approx(spared["events"][-1]["seconds"] * 1e6, rel=1e-3)
+    assert spared["trace"]["devices"] == [0, 1, 2, 4]
     check_recovered(ref, shrunk, 1, [1, 2])
     assert shrunk["events"][-1]["devices"] == [2, 3]
     error = stuck["error"]

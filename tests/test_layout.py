@@ -130,7 +130,8 @@ LAYERS = {
                             "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},
     # training that survives lost devices: snapshots through checkpoints, a new mesh, again
-    "dtorch.elastic": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.optim", "dtorch.tensor"},
+    "dtorch.elastic": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.optim", "dtorch.profiler",
+                              "dtorch.tensor"},
     "dtorch.models": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.nn", "dtorch.tensor"},
     # checking and timing programs against torch, as a user would
     "dtorch.util": {"dtorch"},

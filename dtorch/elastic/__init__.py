@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .. import profiler
 from . import snapshot as snapshots
 from .policy import Layout, Unrecoverable, fit, grow, remesh
 
@@ -186,6 +187,7 @@ class Elastic:
                                        self.layout.shape), ())
         self._mesh = dtorch.DeviceMesh(self.device_type, self.layout.grid,
                                        mesh_dim_names=list(self.names))
+        profiler.resume()  # a trace recorded across a loss goes on in the new runtime
         self._state = self.build(self._mesh)
         if not isinstance(self._state, dict):
             raise TypeError(f"Elastic: build(mesh) must return a dict of named state, got "
@@ -301,6 +303,9 @@ class Elastic:
         event = ElasticEvent(kind, self.steps, tuple(lost), self.layout.devices, self.layout.shape,
                       seconds, restored, replayed, message)
         self.events.append(event)
+        now = time.time_ns()
+        profiler.record(f"dtorch.elastic: {kind} at step {self.steps + 1}: {message[:200]}",
+                        now - int(seconds * 1e9), now)
         log.warning("dtorch.elastic: %s at step %d (lost %s): mesh %s on devices %s%s; %s",
                     kind, self.steps + 1, list(lost), event.mesh_shape, list(event.devices),
                     f", in {seconds:.2f} s" if kind != "lost" else "", message)

@@ -21,7 +21,9 @@ have a thread of their own, "fusion compiler", and a replay that runs fused code
 name: ``replay (N kernels, K fused)``). Two more processes come first:
 the client (issuing: the user's thread building a batch of records, from its first record to
 its send; flushing: the send; and the ``dtorch.cuda.nvtx`` ranges, at issue time), and the
-controller (each batch's passes, with how many records went in and out). Open the file at
+controller (each batch's passes, with how many records went in and out). The client's tracks
+also hold what ``record`` adds (``dtorch.elastic``'s losses and recoveries; a trace recorded
+across a loss goes on in the new runtime, ``resume``). Open the file at
 https://ui.perfetto.dev or chrome://tracing.
 
 The switch travels in program order (``protocol.Trace``). It takes effect on each stream after
@@ -40,7 +42,8 @@ import time
 from .. import current
 from .. import protocol as P
 
-__all__ = ["start", "stop", "trace", "profile", "Profile", "chrome_events", "graph"]
+__all__ = ["start", "stop", "trace", "profile", "Profile", "chrome_events", "graph", "record",
+           "recording", "resume"]
 
 CLIENT_PID, CONTROLLER_PID = 1 << 20, (1 << 20) + 1  # after every device index
 
@@ -49,17 +52,43 @@ def start() -> None:
     """Starts recording the kernels of the work issued from now on."""
     global _started_ns
     _started_ns = time.perf_counter_ns()
+    _recorded.clear()
+    _recorded.append("on")
     current.session().trace(True)
 
 
 _started_ns = 0  # nvtx's clock (perf_counter_ns) at the last start
+_recorded: list = []  # while recording: "on", then the spans ``record`` added
+
+
+def recording() -> bool:
+    """Whether a trace is being recorded (``start`` was called, ``stop`` not yet)."""
+    return bool(_recorded)
+
+
+def record(name: str, start_ns: int, end_ns: int) -> None:
+    """Adds a span of the client's (``time.time_ns()``; a mark when they are equal) to the
+    trace being recorded, on its own track of the client: what happened to the run rather
+    than a kernel (``dtorch.elastic``'s losses and recoveries). Nothing while not recording."""
+    if _recorded:
+        _recorded.append((name, P.CLIENT, ELASTIC_TRACK, start_ns, end_ns, 0))
+
+
+def resume() -> None:
+    """Records on the runtime running now, as ``start`` did on one that failed since (the
+    kernels of the failed one are lost with it; the nvtx ranges and ``record``'s spans since
+    ``start`` stay in the trace)."""
+    s = current.session()
+    if _recorded and s.tracing is None:
+        s.trace(True)
 
 
 def stop(path: str | None = None) -> list:
     """Stops recording once the work issued so far has run, writes the trace to ``path`` (when
     given) and returns its events (Chrome trace event dicts)."""
     s = current.session()
-    events = chrome_events(s.trace(False), s.site_names, _nvtx_spans())
+    added, _recorded[:] = _recorded[1:], []
+    events = chrome_events(s.trace(False), s.site_names, _nvtx_spans() + added)
     if path is not None:
         _write(path, events)
     return events
@@ -156,7 +185,9 @@ def _render_svg(paths: list) -> None:
                                                cleanup=False)
 
 
-STREAMS = {P.CLIENT: {0: "issue", 1: "flush", 2: "nvtx ranges (issued)"},
+ELASTIC_TRACK = 3  # the client's track of ``record``'s spans
+STREAMS = {P.CLIENT: {0: "issue", 1: "flush", 2: "nvtx ranges (issued)",
+                      ELASTIC_TRACK: "dtorch.elastic (losses, recoveries)"},
            P.CONTROLLER: {P.CONTROLLER: "passes"}}
 PIDS = {P.CLIENT: CLIENT_PID, P.CONTROLLER: CONTROLLER_PID}
 
