@@ -164,8 +164,6 @@ def test_mixing_errors_name_the_fix(mesh1):
     w = distribute(sample((7,)), mesh1, [S0])
     with pytest.raises(ValueError, match=r"weight = weight.redistribute"):
         F.layer_norm(distribute(sample((5, 7)), mesh1, [S0]), (7,), w)
-    with pytest.raises(NotImplementedError, match="training"):
-        F.batch_norm(x, None, None, training=True)
 
 
 def test_mixing_dtypes_and_torch_errors(mesh2):
@@ -191,6 +189,37 @@ def test_batch_norm_channel_shards(mesh1):
     assert out.placements == [S1]
     assert_close(out, TF.batch_norm(*ts, eps=1e-3))
     assert_close(F.batch_norm(xs[0], xs[1], xs[2]), TF.batch_norm(*ts[:3]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + [("mesh2", [S1, S0]), ("mesh1", [Shard(2)])],
+                         ids=lambda v: f"{v[0]}-{''.join(map(str, v[1]))}")
+@pytest.mark.parametrize("momentum", [0.1, "tensor"])
+def test_batch_norm_training_takes_the_global_batch_statistics(layout, momentum, request):
+    """Training mode over every layout of an (N, C, L) input, uneven shards included: the
+    output, the running statistics moved in place, and the gradients are torch's for the
+    whole batch (float64: dtorch's composite and torch's kernel round differently)."""
+    mesh, placements = request.getfixturevalue(layout[0]), layout[1]
+    ts = [t.double() for t in operand_values([(5, 4, 3), (4,), (4,), (4,), (4,)])]
+    x = distribute(ts[0], mesh, placements)
+    mean, var, w, b = (distribute(t.clone(), mesh, [R] * mesh.ndim) for t in ts[1:])
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    factor = 0.1 if momentum == 0.1 else distribute(torch.tensor(0.25, dtype=torch.float64),
+                                                    mesh, [R] * mesh.ndim)
+    out = F.batch_norm(x, mean, var, w, b, True, factor, 1e-3)
+    tx, tw, tb = (t.clone().requires_grad_() for t in (ts[0], ts[3], ts[4]))
+    tmean, tvar = ts[1].clone(), ts[2].clone()
+    want = TF.batch_norm(tx, tmean, tvar, tw, tb, True, 0.1 if momentum == 0.1 else 0.25, 1e-3)
+    torch.testing.assert_close(out.to_torch(), want)
+    torch.testing.assert_close(mean.to_torch(), tmean)
+    torch.testing.assert_close(var.to_torch(), tvar)
+    assert not torch.equal(tmean, ts[1])  # the update moved them
+    (out * out).sum().backward()
+    (want * want).sum().backward()
+    for got, ref in ((x, tx), (w, tw), (b, tb)):
+        torch.testing.assert_close(got.grad.to_torch(), ref.grad)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        F.batch_norm(distribute(ts[0][:1, :, :1], mesh, [R] * mesh.ndim), None, None,
+                     training=True)
 
 
 # -- dropout --------------------------------------------------------------------------------------

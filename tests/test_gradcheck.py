@@ -258,8 +258,9 @@ CASES = {
     "layer_norm": case(lambda x, w, b: F.layer_norm(x, (4,), w, b), X, (4,), (4,)),
     "rms_norm": case(lambda x, w: F.rms_norm(x, (4,), w), X, (4,)),
     "group_norm": case(lambda x, w, b: F.group_norm(x, 2, w, b), (2, 4, 3), (4,), (4,)),
-    # training=True is refused yet (batch statistics over sharded dims)
-    "batch_norm": case(lambda x, w, b: F.batch_norm(x, const(MEAN, x), const(VAR, x), w, b),
+    # inference (the op), and training (dtorch's operators over the batch: its statistics)
+    "batch_norm": case(lambda x, w, b: (F.batch_norm(x, const(MEAN, x), const(VAR, x), w, b),
+                                        F.batch_norm(x, None, None, w, b, training=True)),
                        X, (4,), (4,)),
     "cross_entropy": case(lambda x: F.cross_entropy(x, const(TARGET, x)), X),
     "nll_loss": case(lambda x: F.nll_loss(x, const(TARGET, x)), X),

@@ -64,6 +64,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
     if tp is None and any(s != "replicate" for s in plan.values()):
         raise ValueError(f"parallelize: the plan shards on {tp_dim!r}, which the mesh "
                          f"{mesh!r} lacks; name the tp dim with tp_dim=")
+    made: dict = {}  # id of a torch tensor -> (its dtorch tensor, where): tied ones stay tied
     for name, sub in module.named_modules():
         style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate")
         kinds = (torch.nn.Linear, torch.nn.Embedding) if style == "colwise" else torch.nn.Linear
@@ -72,17 +73,32 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
                              f"out an nn.Linear or an nn.Embedding, 'rowwise' an nn.Linear")
         for pname, p in list(sub._parameters.items()):
             if p is not None and not isinstance(p, Tensor):
-                sub._parameters[pname] = Parameter(
-                    _laid_out(p, mesh, _placements(sub, pname, style, mesh, tp)),
-                    p.requires_grad)
+                placements = _placements(sub, pname, style, mesh, tp)
+                sub._parameters[pname] = _once(made, p, f"{name}.{pname}", placements, lambda: (
+                    Parameter(_laid_out(p, mesh, placements), p.requires_grad)))
         for bname, b in list(sub._buffers.items()):
             if b is not None and not isinstance(b, Tensor):
                 persistent = bname not in sub._non_persistent_buffers_set
-                sub._buffers[bname] = Buffer(_laid_out(b, mesh, [Replicate()] * mesh.ndim),
-                                             persistent=persistent)
+                placements = [Replicate()] * mesh.ndim
+                sub._buffers[bname] = _once(made, b, f"{name}.{bname}", placements, lambda: (
+                    Buffer(_laid_out(b, mesh, placements), persistent=persistent)))
         if style != "replicate":
             _hook(sub, style, tp)
     return module
+
+
+def _once(made: dict, t: torch.Tensor, where: str, placements: list, lay_out):
+    """The dtorch tensor of ``t``, laid out once however many modules hold it (a tied
+    embedding and head, T5's shared embedding): they keep holding one tensor, whose gradient
+    sums theirs. A second holder whose plan lays it out otherwise raises."""
+    if id(t) not in made:
+        made[id(t)] = (lay_out(), where, t)  # (t kept alive: its id stays its own)
+    laid, first, _ = made[id(t)]
+    if placements != list(laid.placements):
+        raise ValueError(f"parallelize: {where!r} is the tensor {first!r} holds (tied), and "
+                         f"the plan lays it out as {placements} there but as "
+                         f"{list(laid.placements)} at {first!r}; plan both holders alike")
+    return laid
 
 
 def _placements(sub, pname: str, style: str, mesh, tp) -> list:

@@ -190,11 +190,8 @@ def _group_norm_checked(input, weight, bias, num_groups, eps=1e-05):
 
 def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
                 momentum=0.1, eps=1e-05):
-    """Inference only; the check runs in the metadata rule too, so it raises at the call."""
-    if training:
-        raise NotImplementedError(
-            "dtorch.nn.functional.batch_norm: training=True is not supported yet (batch "
-            "statistics over sharded dims and running-stat updates); use training=False")
+    """Inference: the running statistics (training mode is ``batch_statistics``, of dtorch's
+    operators, before anything is issued)."""
     return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
 
 
@@ -306,9 +303,49 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     weight = either("batch_norm", "weight", weight, "scale", scale)
     nhwc = channels_last("batch_norm", format, is_nchw)
     x = issue("movedim", (input,), (-1, 1)) if nhwc else input
-    out = issue("batch_norm", (x, running_mean, running_var, weight, bias),
-                (training, momentum, eps))
+    if training:
+        out = batch_statistics(x, running_mean, running_var, weight, bias, momentum, eps)
+    else:
+        out = issue("batch_norm", (x, running_mean, running_var, weight, bias),
+                    (False, momentum, eps))
     return issue("movedim", (out,), (1, -1)) if nhwc else out
+
+
+def batch_statistics(x, running_mean, running_var, weight, bias, momentum, eps):
+    """torch's training-mode batch norm of ``x`` (channels at dim 1): normalised by the batch's
+    mean and biased variance over every other dim. A batch sharded over devices is reduced
+    across them, so the statistics are the global batch's, as on one device (what torch's
+    ``SyncBatchNorm`` gives data parallelism). Running statistics, where given, move towards
+    the batch's (its unbiased variance) by ``momentum`` (a number, or a 0-dim tensor: the
+    cumulative average of ``momentum=None``), in place and outside autograd, torch's update."""
+    dims = (0, *range(2, x.dim()))
+    n = x.shape[0] * _prod(x.shape[2:])
+    if n <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                         f"size {torch.Size(x.shape)}")
+    mean = x.mean(dims, keepdim=True)
+    centred = x - mean
+    var = (centred * centred).mean(dims, keepdim=True)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.copy_(running_mean * (1 - momentum) + mean.reshape(-1) * momentum)
+        if running_var is not None:
+            unbiased = var.reshape(-1) * (n / (n - 1))
+            running_var.copy_(running_var * (1 - momentum) + unbiased * momentum)
+    out = centred * (var + eps).rsqrt()
+    per_channel = (-1,) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        out = out * weight.reshape(per_channel)
+    if bias is not None:
+        out = out + bias.reshape(per_channel)
+    return out
+
+
+def _prod(sizes) -> int:
+    n = 1
+    for size in sizes:
+        n *= size
+    return n
 
 
 FRONTS = {"softmax": _softmax_front("softmax"), "log_softmax": _softmax_front("log_softmax"),

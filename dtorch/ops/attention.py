@@ -247,7 +247,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ulysses = _cp_dim(query, option.ulysess_cp_dim)
     ring = _cp_dim(query, option.ring_cp_dim)
     if ulysses is None and ring is None:
-        return issue("scaled_dot_product_attention", (query, key, value, attn_mask),
+        return issue("scaled_dot_product_attention",
+                     (query, key, value, _mask_like_query(query, attn_mask)),
                      (dropout_p, is_causal, scale, enable_gqa))
     if ulysses == ring:
         raise ValueError(f"dtorch.scaled_dot_product_attention: sdpa_option names mesh dim "
@@ -256,6 +257,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _check_cp(query, key, value, attn_mask, dropout_p, ulysses, ring)
     return issue("_context_parallel_attention", (query, key, value),
                  (is_causal, scale, enable_gqa, ulysses, ring))
+
+
+def _mask_like_query(query, mask):
+    """``mask`` chunked like ``query`` on each mesh dim where the query's batch or heads are
+    sharded and the mask, Replicate there, has that dim whole (T5's position bias has every
+    head, and an unported model builds it replicated): each device's block of the mask, a local
+    chunk with no communication. The one layout attention changes on its own: a mask is an
+    operand of the query's shape, not a choice of the program's."""
+    if mask is None or not hasattr(mask, "placements"):
+        return mask
+    placements, lead = list(mask.placements), query.ndim - mask.ndim
+    for i, p in enumerate(query.placements):
+        d = p.dim - lead if isinstance(p, Shard) and p.dim < query.ndim - 2 else -1
+        if d >= 0 and placements[i] == R and mask.shape[d] == query.shape[p.dim] > 1:
+            placements[i] = Shard(d)
+    return mask if placements == list(mask.placements) else mask.redistribute(
+        placements=placements)
 
 
 def _cp_dim(query, dim):

@@ -172,10 +172,15 @@ class BatchNorm2d(Module):
     def forward(self, input):
         if input.dim() != 4:
             raise ValueError(f"expected 4D input (got {input.dim()}D input)")
-        if self.training or self.running_mean is None:
-            x = input if self.is_nchw else dtorch.movedim(input, -1, 1)
-            out = self._batch_statistics(x)
-            return out if self.is_nchw else dtorch.movedim(out, 1, -1)
+        if self.training or self.running_mean is None:  # the batch's statistics
+            factor = 0.0 if self.momentum is None else self.momentum
+            if self.training and self.track_running_stats:
+                self.num_batches_tracked.add_(1)
+                if self.momentum is None:  # the cumulative average: 1 / batches seen
+                    factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
+            stats = (self.running_mean, self.running_var) if self.training else (None, None)
+            return F.batch_norm(input, *stats, self.weight, self.bias, True, factor, self.eps,
+                                is_nchw=self.is_nchw)
         stats = [self._per_channel(t, input) for t in (self.running_mean, self.running_var,
                                                         self.weight, self.bias)]
         return F.batch_norm(input, *stats, False, 0.0, self.eps, is_nchw=self.is_nchw)
@@ -190,36 +195,6 @@ class BatchNorm2d(Module):
             return t
         return t.redistribute(placements=[dtorch.Shard(0) if p.is_shard(channel) else
                                           dtorch.Replicate() for p in input.placements])
-
-    def _batch_statistics(self, x):
-        """torch's training-mode batch norm of an NCHW ``x``: normalised by the batch's mean
-        and biased variance over (N, H, W); in training mode with running statistics, those
-        move towards the batch's (its unbiased variance), torch's update."""
-        n = x.shape[0] * x.shape[2] * x.shape[3]
-        if n <= 1 and self.training:
-            raise ValueError(f"Expected more than 1 value per channel when training, got "
-                             f"input size {torch.Size(x.shape)}")
-        mean = dtorch.mean(x, (0, 2, 3), keepdim=True)
-        centred = x - mean
-        var = dtorch.mean(centred * centred, (0, 2, 3), keepdim=True)
-        if self.training and self.track_running_stats:
-            self._update_running_stats(mean.reshape(-1), var.reshape(-1), n)
-        out = centred * dtorch.rsqrt(var + self.eps)
-        if self.weight is not None:
-            out = out * self.weight.reshape(-1, 1, 1)
-        if self.bias is not None:
-            out = out + self.bias.reshape(-1, 1, 1)
-        return out
-
-    def _update_running_stats(self, mean, var, n: int) -> None:
-        self.num_batches_tracked.add_(1)
-        if self.momentum is None:  # the cumulative average: 1 / batches seen
-            factor = 1.0 / self.num_batches_tracked.to(self.running_mean.dtype)
-        else:
-            factor = self.momentum
-        unbiased = var * (n / (n - 1))
-        self.running_mean.copy_(self.running_mean * (1 - factor) + mean * factor)
-        self.running_var.copy_(self.running_var * (1 - factor) + unbiased * factor)
 
     def extra_repr(self) -> str:
         s = (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
