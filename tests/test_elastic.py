@@ -89,9 +89,9 @@ def test_dp4_zero0_loses_a_host_then_two_in_a_row_then_one_during_recovery():
 def test_zero_sharded_state_comes_back_from_the_snapshot(zero):
     """ZeRO-2 (optimizer state and gradients sharded on dp) and ZeRO-3 (parameters too): the
     lost host's shard existed only there, and comes back from the snapshot's files."""
-    ref, run = run_program([dict(mesh=[4], steps=12, zero=zero),
-                            dict(mesh=[4], steps=12, zero=zero, kills=[[4, 1]], seed=zero)],
-                           hosts=4)
+    ref, run = run_program([dict(mesh=[4], steps=24, zero=zero),
+                            dict(mesh=[4], steps=24, zero=zero, kills=[[4, 1]], seed=zero)],
+                           hosts=4)  # the 20 steps after the loss
     check_recovered(ref, run, 1, [3])
 
 

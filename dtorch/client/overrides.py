@@ -36,18 +36,16 @@ def handler(module, functional, tensor_cls):
 def run(module, functional, tensor_cls, func, args, kwargs):
     """``func`` (torch's) on arguments among which are dtorch tensors, run as dtorch's operator
     of that name (see the module doc)."""
-    first = next((a for a in _leaves((args, kwargs)) if isinstance(a, Tensor)), None)
+    first = args[0] if args and isinstance(args[0], Tensor) else next(
+        (a for a in _leaves((args, kwargs)) if isinstance(a, Tensor)), None)
     if first is None:  # (torch asked us without one of ours: nothing to do)
         return NotImplemented
-    name = getattr(func, "__name__", None)
-    ours = None
-    if name is not None:
-        if getattr(torch.nn.functional, name, None) is func:
-            ours = getattr(functional, name, None)
-        elif getattr(torch, name, None) is func or getattr(torch.linalg, name, None) is func:
-            ours = getattr(module, name, None)
-        elif getattr(torch.Tensor, name, None) is func:
-            ours = getattr(tensor_cls, name, None)
+    try:
+        ours = _OURS[func]
+    except KeyError:
+        ours = _OURS[func] = _ours(module, functional, tensor_cls, func)
+    except TypeError:  # (an unhashable callable)
+        ours = _ours(module, functional, tensor_cls, func)
     if ours is None and getattr(func, "__module__", None) == "torch.nn.init":
         # torch's init functions read a shape and call the tensor's own in-place methods,
         # which dtorch tensors have: they run as they are (``dtorch.nn.init``), unintercepted
@@ -69,6 +67,21 @@ def run(module, functional, tensor_cls, func, args, kwargs):
 
 
 _JOINS = (torch.cat, torch.concat, torch.concatenate)
+_OURS: dict = {}  # torch's function -> dtorch's of the same name and place (None: none)
+
+
+def _ours(module, functional, tensor_cls, func):
+    """dtorch's operator for torch's ``func``: the same name in the same place."""
+    name = getattr(func, "__name__", None)
+    if name is None:
+        return None
+    if getattr(torch.nn.functional, name, None) is func:
+        return getattr(functional, name, None)
+    if getattr(torch, name, None) is func or getattr(torch.linalg, name, None) is func:
+        return getattr(module, name, None)
+    if getattr(torch.Tensor, name, None) is func:
+        return getattr(tensor_cls, name, None)
+    return None
 
 
 def _leaves(value):
