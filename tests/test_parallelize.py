@@ -297,3 +297,46 @@ def test_a_torch_cnn_with_batch_norm_trains_unported(layout, one, dp2):
         assert loss.item() == pytest.approx(want.item(), abs=1e-5), step
     for (name, t), want in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(t.to_torch(), want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+SD3_PLAN = {"transformer_blocks.*.attn.to_[qkv]": "colwise",
+            "transformer_blocks.*.attn.add_[qkv]_proj": "colwise",
+            "transformer_blocks.*.attn.to_out.0": "rowwise",
+            "transformer_blocks.*.attn.to_add_out": "rowwise",
+            "transformer_blocks.*.ff*.net.0.proj": "colwise",
+            "transformer_blocks.*.ff*.net.2": "rowwise"}
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32,
+        pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16).eval()
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2", "tp2", "dp2xtp2"])
+def test_diffusers_sd3_transformer_unported_equals_itself(layout, sd3, one, dp2, tp2, dp2tp2):
+    """diffusers' SD3 transformer (joint attention over image and text tokens, AdaLayerNorm,
+    patch and timestep embeddings), its attention and feed-forwards tensor-parallel. On one
+    device it differs from torch's by a rounding (2.4e-7: a GEMM of a few rows, whose result
+    changes with torch's thread count too), so every layout is compared at 1e-5."""
+    mesh = {"one": one, "dp2": dp2, "tp2": tp2, "dp2xtp2": dp2tp2}[layout]
+    model = copy.deepcopy(sd3)
+    dtorch.nn.parallelize(model, mesh, SD3_PLAN if mesh.has_dim_name("tp") else {})
+    assert model.transformer_blocks[0].attn.to_q.weight.placements[-1] == (
+        S0 if mesh.has_dim_name("tp") else R)
+    g = torch.Generator().manual_seed(4)
+    inputs = dict(hidden_states=torch.randn(2, 4, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+                  pooled_projections=torch.randn(2, 16, generator=g),
+                  timestep=torch.tensor([3.0, 500.0]))
+    batch = [S0 if mesh.mesh_dim_names[k] == "dp" else R for k in range(mesh.ndim)] \
+        if mesh.mesh_dim_names else [R]
+    with torch.no_grad():
+        got = model(**{k: dtorch.from_torch(v, mesh, batch) for k, v in inputs.items()}).sample
+        want = sd3(**inputs).sample
+    assert isinstance(got, dtorch.Tensor)
+    torch.testing.assert_close(got.to_torch(), want, atol=1e-5, rtol=1e-5)
