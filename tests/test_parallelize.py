@@ -119,6 +119,22 @@ def test_hf_llama_unported_trains_as_hf(hf_llama, dp2tp2):
         torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_hf_gradient_checkpointing_non_reentrant_gives_hfs_gradients(hf_llama, dp2tp2):
+    """HF's gradient checkpointing through torch.utils.checkpoint (non-reentrant, HF's
+    default) runs unchanged and gives HF's gradients. (It saves no memory here: torch's saved
+    tensor hooks do not see dtorch's tape; ``dtorch.nn.checkpoint`` is what recomputes.)"""
+    ref, model = copy.deepcopy(hf_llama).train(), copy.deepcopy(hf_llama).train()
+    dtorch.nn.parallelize(model, dp2tp2, LLAMA_PLAN)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    x = ids(9)
+    d = dtorch.from_torch(x, dp2tp2, [S0, R])
+    model(d, labels=d, use_cache=False).loss.backward()
+    ref(x, labels=x, use_cache=False).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_a_meta_built_model_gets_layouts_without_values(hf_llama, tp2):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config())
