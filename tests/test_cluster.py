@@ -396,6 +396,79 @@ def test_elastic_run_loses_a_machine_goes_on_and_grows_back_when_it_rejoins(clus
     assert losses == pytest.approx(reference, abs=1e-5)
 
 
+def test_elastic_run_waits_for_a_lost_machine_with_shrink_off(cluster):
+    """shrink=False over the cluster: a lost machine is waited for, not dropped. Machine 2's
+    agent SIGKILLed during step 3 and started again as soon as the loss is seen; the run goes
+    on on dp 4 once it has joined, every loss the uninterrupted run's."""
+    import elastic_program as program
+
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
+               for _ in range(6)]
+
+    def build(mesh):
+        return program.build(mesh, 0)
+
+    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster") as run:
+        reference = [run.step(program.train_step, b) for b in batches]
+    victim = "127.0.0.3"
+    doomed = cluster.agents[victim]
+    hosts = children(doomed.pid)
+    restarts = []
+
+    def on_event(event):
+        if event.kind == "lost":  # the machine comes back while the run waits for it
+            restarts.append(threading.Thread(target=cluster.start, args=[victim]))
+            restarts[-1].start()
+
+    losses, timer = [], threading.Timer(0.02, doomed.kill)
+    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster", shrink=False,
+                                on_event=on_event, rejoin_timeout_s=60) as run:
+        for k, batch in enumerate(batches, 1):
+            if k == 3:
+                timer.start()
+            losses.append(run.step(program.train_step, batch))
+        events = [(e.kind, e.mesh_shape) for e in run.events]
+    timer.join()
+    for thread in restarts:
+        thread.join()
+    wait_until(lambda: not any(map(alive, hosts)), timeout=10)
+    assert events == [("lost", (4,)), ("recovered", (4,))], run.events
+    assert "waiting up to 60 s for the machines to join again" in run.events[0].message
+    assert losses == pytest.approx(reference, abs=1e-5)
+
+
+def test_elastic_run_stops_when_the_lost_machine_does_not_come_back(cluster):
+    """shrink=False, and the machine stays away: after rejoin_timeout_s the run raises
+    Unrecoverable naming the wait, with the last committed snapshot (readable on one
+    machine's devices)."""
+    import elastic_program as program
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
+               for _ in range(4)]
+    doomed = cluster.agents["127.0.0.3"]
+    timer = threading.Timer(0.02, doomed.kill)
+    run = dtorch.elastic.Elastic(lambda mesh: program.build(mesh, 0), (4,), ["dp"],
+                                 devices="cluster", shrink=False, rejoin_timeout_s=1)
+    with pytest.raises(dtorch.elastic.Unrecoverable, match=r"did not join within 1 s") as e:
+        for k, batch in enumerate(batches, 1):
+            if k == 3:
+                timer.start()
+            run.step(program.train_step, batch)
+    timer.join()
+    try:
+        assert e.value.step in (1, 2) and e.value.snapshot == run.directory
+        assert dtorch.MainNode.wait_cluster_ready(1, timeout_second=READY_S)  # the survivor
+        model = program.build(dtorch.DeviceMesh("cpu", [0, 1], mesh_dim_names=["dp"]),
+                              0)["model"]
+        dtorch.load_checkpoint(model, e.value.snapshot, key_map=lambda k: (
+            k[len("model/"):] if k.startswith("model/") else None))
+    finally:
+        run.close()
+        dtorch.shutdown()
+
+
 # -- Ray ------------------------------------------------------------------------------------------
 
 RAY_CLIENT = CLIENT_PRELUDE + """

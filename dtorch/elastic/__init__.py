@@ -83,8 +83,10 @@ class Elastic:
     waiting up to ``rejoin_timeout_s``) shaped ``mesh_shape`` with ``mesh_dim_names``. After
     a loss, each lost device of the mesh is replaced by one of ``spare_devices``; with none
     left, ``shrink`` drops its data-parallel slice, and further slices until dp divides the
-    global batch's rows (those devices become spares); else the run stops with
-    ``Unrecoverable`` (the last completed step's state stays in its ``snapshot``
+    global batch's rows (those devices become spares); else, over a cluster, the run waits
+    up to ``rejoin_timeout_s`` for machines to join again and goes on on the same mesh shape
+    (``shrink=False`` always waits there: a lost machine is waited for, not dropped); else
+    the run stops with ``Unrecoverable`` (the last completed step's state stays in its ``snapshot``
     directory). ``snapshot_every``: steps between snapshots (a loss re-runs at most that many
     steps). ``directory``: where snapshots go (default: a fresh directory in ``/dev/shm``,
     memory that outlives the processes; a machine's loss needs storage the other machines
@@ -251,23 +253,35 @@ class Elastic:
             self._settle(wait=True)  # (exception() waits: the dead runtime fails it at once)
         self._pending = None
         dtorch.shutdown()
-        step = self._committed.step if self._committed else None
         if self.losses > self.max_losses:
-            raise Unrecoverable(f"dtorch.elastic: {self.losses} losses, more than max_losses="
-                                f"{self.max_losses}: {error}", self.directory, step) from error
+            raise self._unrecoverable(f"{self.losses} losses, more than max_losses="
+                                      f"{self.max_losses}: {error}") from error
+        message = str(error)
         try:
             self.layout = fit(remesh(self.layout, lost, self.dp_axis, self.shrink),
                               self.dp_axis, self._rows())
         except Unrecoverable as e:
-            raise Unrecoverable(f"dtorch.elastic: {e}; the state of step {step} is in the "
-                                f"snapshot at {self.directory} (dtorch.load_checkpoint reads it "
-                                f"on any mesh): {error}", self.directory, step) from error
-        self._emit("lost", lost, 0.0, None, 0, str(error))
+            if not self.cluster:
+                raise self._unrecoverable(f"{e}: {error}") from error
+            # a cluster's machine may come back: the mesh keeps its shape, on the devices of
+            # the machines that join the next runtime (``_start`` waits rejoin_timeout_s)
+            message = (f"{e}: waiting up to {self.rejoin_timeout_s:.0f} s for the machines to "
+                       f"join again; {error}")
+        self._emit("lost", lost, 0.0, None, 0, message)
+
+    def _unrecoverable(self, why: str) -> Unrecoverable:
+        step = self._committed.step if self._committed else None
+        return Unrecoverable(f"dtorch.elastic: {why}; the state of step {step} is in the "
+                             f"snapshot at {self.directory} (dtorch.load_checkpoint reads it on "
+                             f"any mesh)", self.directory, step)
 
     def _recover(self) -> None:
         """Starts the runtime on the new layout, restores the committed snapshot into a fresh
         state and replays the steps since it (all but the one being run)."""
-        self._start()
+        try:
+            self._start()
+        except Unrecoverable as e:  # the machines did not come back
+            raise self._unrecoverable(str(e).removeprefix("dtorch.elastic: ")) from e
         snapshots.restore(self._state, self._committed, self.directory)
         replay = self._kept[:-1]
         for _, fn, batch in replay:
