@@ -7,7 +7,8 @@ step. It prints one ``RESULT`` line: the losses, the events, the pids it saw and
 
 ``kills``: ``[step, device]`` pairs (the host serving ``device`` is killed during ``step``);
 ``kill_in_recovery``: a device whose host is killed in the runtime the first recovery starts;
-``batch``: the global batch's rows (12, which dp 4, 3, 2 and 1 divide); ``trace``: the run
+``batch``: the global batch's rows (12, which dp 4, 3, 2 and 1 divide); ``dropout``: the
+step drops out its logits (p 0.2); ``trace``: the run
 inside a ``dtorch.profiler`` trace (its elastic spans and the devices its kernels ran on come
 back).
 """
@@ -56,6 +57,18 @@ def train_step(state, seq):
     """One step of next-token prediction on ``seq`` (the global batch, Shard(0) on dp)."""
     model, opt = state["model"], state["optim"]
     logits = model(seq[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state["sched"].step()
+    return loss
+
+
+def train_step_with_dropout(state, seq):
+    """``train_step`` with dropout on the logits (dtorch's seed stream draws the masks)."""
+    model, opt = state["model"], state["optim"]
+    logits = F.dropout(model(seq[:, :-1]), 0.2)
     loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
     loss.backward()
     opt.step()
@@ -149,7 +162,8 @@ def main(plan: dict) -> dict:
                 timer.start()
             t0 = time.perf_counter()
             seen.update(runtime_pids())
-            losses.append(run.step(train_step, batch))
+            losses.append(run.step(train_step_with_dropout if plan.get("dropout")
+                                   else train_step, batch))
             step_times.append(time.perf_counter() - t0)
             if k in plan.get("probe_after", ()):
                 probe[k] = probe_logits(run.state["model"], batches[0])

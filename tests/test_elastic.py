@@ -106,6 +106,17 @@ def test_a_batch_three_devices_cannot_share_evenly_goes_to_dp2_with_a_spare():
     assert first["devices"] == [0, 1] and second["devices"] == [3, 1], run["events"]
 
 
+def test_a_step_with_dropout_re_runs_with_the_same_masks():
+    """Dropout on dp4, a host lost in step 4 and a spare in its place: the snapshot keeps the
+    random states, so the re-run steps draw the masks they drew and every loss is the
+    reference's. (Where dp shrinks, the blocks and so the masks change: there a run is an
+    uninterrupted one's in distribution only.)"""
+    ref, run = run_program([dict(mesh=[4], steps=8, dropout=True),
+                            dict(mesh=[4], steps=8, dropout=True, spares=[4], kills=[[4, 1]],
+                                 every=2, seed=9)], hosts=5)
+    check_recovered(ref, run, 1, [4])
+
+
 def test_dp_tp_a_lost_tp_member():
     """dp2 x tp2: a lost tp member's place taken by a spare (the mesh keeps its shape), or its
     whole tp group dropped (dp shrinks to 1); on dp1 x tp2 with no spare nothing can recover:

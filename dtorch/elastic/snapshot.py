@@ -35,16 +35,21 @@ class Placeholder(NamedTuple):
 
 class Snapshot(NamedTuple):
     """One snapshot: ``step`` steps done; ``kept`` the client's part of each object's state
-    (dtorch tensors replaced by ``Placeholder``); ``future`` the files' save (None: written)."""
+    (dtorch tensors replaced by ``Placeholder``); ``future`` the files' save (None: written);
+    ``rng`` the states of dtorch's seed stream and torch's default generator, so that steps
+    re-run from it draw what they drew (dropout)."""
 
     step: int
     kept: dict
     future: object
+    rng: tuple
 
 
 def take(state: dict, step: int, directory: str) -> Snapshot:
     """Issues a snapshot of ``state`` as it is now (the devices copy their tensors at once,
     then write them while the program goes on)."""
+    import dtorch
+
     tensors, kept = {}, {}
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):  # (a torch buffer of it is the client's)
@@ -67,12 +72,14 @@ def take(state: dict, step: int, directory: str) -> Snapshot:
                             f"build(mesh) returns modules, dtorch optimizers and objects with "
                             f"state_dict()/load_state_dict()")
     future = save_checkpoint(tensors, directory, async_=True)
-    return Snapshot(step, kept, future)
+    return Snapshot(step, kept, future, (dtorch.get_rng_state(), torch.get_rng_state()))
 
 
 def restore(state: dict, snapshot: Snapshot, directory: str) -> None:
     """Loads ``snapshot`` (its files committed in ``directory``) into ``state``, a fresh
-    ``build(mesh)`` on any mesh."""
+    ``build(mesh)`` on any mesh, and the random states it kept."""
+    import dtorch
+
     targets, optimizers = {}, []
     for name, obj in state.items():
         kept = snapshot.kept[name]
@@ -90,6 +97,8 @@ def restore(state: dict, snapshot: Snapshot, directory: str) -> None:
     load_checkpoint(targets, directory)
     for obj, kept, made in optimizers:
         obj.load_state_dict(_put_tensors(kept, made))
+    dtorch.set_rng_state(snapshot.rng[0])  # (after build, whose draws came from them too)
+    torch.set_rng_state(snapshot.rng[1])
 
 
 def _replace_tensors(value, prefix: str, tensors: dict):
