@@ -15,6 +15,7 @@ back).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -53,10 +54,13 @@ def build(mesh, zero: int):
     return {"model": model, "optim": opt, "sched": sched}
 
 
-def train_step(state, seq):
-    """One step of next-token prediction on ``seq`` (the global batch, Shard(0) on dp)."""
+def train_step(state, seq, dropout: float = 0.0):
+    """One step of next-token prediction on ``seq`` (the global batch, Shard(0) on dp); with
+    ``dropout``, its logits dropped out (dtorch's seed stream draws the masks)."""
     model, opt = state["model"], state["optim"]
     logits = model(seq[:, :-1])
+    if dropout:
+        logits = F.dropout(logits, dropout)
     loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
     loss.backward()
     opt.step()
@@ -65,16 +69,7 @@ def train_step(state, seq):
     return loss
 
 
-def train_step_with_dropout(state, seq):
-    """``train_step`` with dropout on the logits (dtorch's seed stream draws the masks)."""
-    model, opt = state["model"], state["optim"]
-    logits = F.dropout(model(seq[:, :-1]), 0.2)
-    loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    state["sched"].step()
-    return loss
+train_step_with_dropout = functools.partial(train_step, dropout=0.2)
 
 
 def probe_logits(model, batch) -> list:
