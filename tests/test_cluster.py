@@ -17,6 +17,7 @@ node agent does without a cluster (token, command line, handshakes) is tests/tes
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import signal
@@ -359,22 +360,26 @@ def test_a_stopped_agent_is_a_client_error_within_5s(cluster):
     wait_until(lambda: not any(map(alive, hosts)), timeout=10)
 
 
+def _elastic_reference(seed: int, steps: int) -> tuple:
+    """The test program's ``steps`` global batches, its ``build`` and the losses of an
+    uninterrupted elastic run of them over the cluster's 4 devices."""
+    import elastic_program as program
+
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
+               for _ in range(steps)]
+    build = functools.partial(program.build, zero=0)
+    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster") as run:
+        reference = [run.step(program.train_step, b) for b in batches]
+    return program, batches, build, reference
+
+
 def test_elastic_run_loses_a_machine_goes_on_and_grows_back_when_it_rejoins(cluster):
     """dtorch.elastic over the cluster: machine 2's agent SIGKILLed during step 4, the run
     goes on on machine 1's devices (dp 4 -> 2, the runtime started again and the devices
     numbered anew); the agent started again joins, and at the next step boundary dp grows back
     to 4. Every loss equals the uninterrupted run's (the same global batches)."""
-    import elastic_program as program
-
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
-               for _ in range(10)]
-
-    def build(mesh):
-        return program.build(mesh, 0)
-
-    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster") as run:
-        reference = [run.step(program.train_step, b) for b in batches]
+    program, batches, build, reference = _elastic_reference(1, 10)
     victim = "127.0.0.3"
     doomed = cluster.agents[victim]
     hosts = children(doomed.pid)
@@ -400,17 +405,7 @@ def test_elastic_run_waits_for_a_lost_machine_with_shrink_off(cluster):
     """shrink=False over the cluster: a lost machine is waited for, not dropped. Machine 2's
     agent SIGKILLed during step 3 and started again as soon as the loss is seen; the run goes
     on on dp 4 once it has joined, every loss the uninterrupted run's."""
-    import elastic_program as program
-
-    g = torch.Generator().manual_seed(2)
-    batches = [torch.randint(0, program.VOCAB, (program.BATCH, program.SEQ), generator=g)
-               for _ in range(6)]
-
-    def build(mesh):
-        return program.build(mesh, 0)
-
-    with dtorch.elastic.Elastic(build, (4,), ["dp"], devices="cluster") as run:
-        reference = [run.step(program.train_step, b) for b in batches]
+    program, batches, build, reference = _elastic_reference(2, 6)
     victim = "127.0.0.3"
     doomed = cluster.agents[victim]
     hosts = children(doomed.pid)

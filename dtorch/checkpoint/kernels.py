@@ -31,9 +31,10 @@ checks every header and index before a host reads (``checkpoint/headers.py``).
 ``tensors`` to one safetensors file (``plan``: msgpack ``[directory, name, keys]``, ``name`` a
 ``str.format`` template of ``device``). A block is written once: by the device at coordinate 0 of
 every mesh dim the tensor is not sharded on (``writes_block``); the caller lays Partial and,
-where a tensor dim fits, Replicate mesh dims out as shards first (``save.write_layout``). The bytes stream from each block to the file with no copy (safetensors'
-``save_file`` would copy every tensor to bytes first), and the file and its directory are
-fsynced before the kernel returns. The name is new (``save_checkpoint``'s carry a save id), so
+where a tensor dim fits, Replicate mesh dims out as shards first (``save.write_layout``). The
+bytes stream from each block to the file with no copy (safetensors' ``save_file`` would copy
+every tensor to bytes first), and the file and its directory are fsynced before the kernel
+returns. The name is new (``save_checkpoint``'s carry a save id), so
 nothing older is touched; a write that fails removes what it wrote. The result is a 0-dim
 int64 token, Partial(max) on every mesh dim: each device's errno (0: written), so reading it
 gives the worst failure of any device as a value, with no kernel error (the runtime stays as

@@ -78,11 +78,9 @@ def fit(layout: Layout, dp_axis: int | None, rows: int | None) -> Layout:
     if dp_axis is None or not rows:
         return layout
     grid, spares = layout.grid, list(layout.spares)
-    while rows % Layout(grid, ()).shape[dp_axis]:
-        last = Layout(grid, ()).shape[dp_axis] - 1
-        kept = _drop_index(grid, dp_axis, last)
-        dropped = set(Layout(grid, ()).devices) - set(Layout(kept, ()).devices)
-        spares += [d for d in Layout(grid, ()).devices if d in dropped]
+    while rows % (dp := Layout(grid, ()).shape[dp_axis]):
+        kept = _drop_index(grid, dp_axis, dp - 1)
+        spares += [d for d in _flatten(grid) if d not in set(_flatten(kept))]
         grid = kept
     return Layout(grid, tuple(spares))
 

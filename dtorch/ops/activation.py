@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -319,7 +320,7 @@ def batch_statistics(x, running_mean, running_var, weight, bias, momentum, eps):
     the batch's (its unbiased variance) by ``momentum`` (a number, or a 0-dim tensor: the
     cumulative average of ``momentum=None``), in place and outside autograd, torch's update."""
     dims = (0, *range(2, x.dim()))
-    n = x.shape[0] * _prod(x.shape[2:])
+    n = x.shape[0] * math.prod(x.shape[2:])
     if n <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input "
                          f"size {torch.Size(x.shape)}")
@@ -339,13 +340,6 @@ def batch_statistics(x, running_mean, running_var, weight, bias, momentum, eps):
     if bias is not None:
         out = out + bias.reshape(per_channel)
     return out
-
-
-def _prod(sizes) -> int:
-    n = 1
-    for size in sizes:
-        n *= size
-    return n
 
 
 FRONTS = {"softmax": _softmax_front("softmax"), "log_softmax": _softmax_front("log_softmax"),

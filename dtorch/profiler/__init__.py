@@ -43,34 +43,28 @@ from .. import current
 from .. import protocol as P
 
 __all__ = ["start", "stop", "trace", "profile", "Profile", "chrome_events", "graph", "record",
-           "recording", "resume"]
+           "resume"]
 
 CLIENT_PID, CONTROLLER_PID = 1 << 20, (1 << 20) + 1  # after every device index
 
 
 def start() -> None:
     """Starts recording the kernels of the work issued from now on."""
-    global _started_ns
+    global _started_ns, _recorded
     _started_ns = time.perf_counter_ns()
-    _recorded.clear()
-    _recorded.append("on")
+    _recorded = []
     current.session().trace(True)
 
 
 _started_ns = 0  # nvtx's clock (perf_counter_ns) at the last start
-_recorded: list = []  # while recording: "on", then the spans ``record`` added
-
-
-def recording() -> bool:
-    """Whether a trace is being recorded (``start`` was called, ``stop`` not yet)."""
-    return bool(_recorded)
+_recorded: list | None = None  # while recording (``start`` to ``stop``): ``record``'s spans
 
 
 def record(name: str, start_ns: int, end_ns: int) -> None:
     """Adds a span of the client's (``time.time_ns()``; a mark when they are equal) to the
     trace being recorded, on its own track of the client: what happened to the run rather
     than a kernel (``dtorch.elastic``'s losses and recoveries). Nothing while not recording."""
-    if _recorded:
+    if _recorded is not None:
         _recorded.append((name, P.CLIENT, ELASTIC_TRACK, start_ns, end_ns, 0))
 
 
@@ -79,15 +73,16 @@ def resume() -> None:
     kernels of the failed one are lost with it; the nvtx ranges and ``record``'s spans since
     ``start`` stay in the trace)."""
     s = current.session()
-    if _recorded and s.tracing is None:
+    if _recorded is not None and s.tracing is None:
         s.trace(True)
 
 
 def stop(path: str | None = None) -> list:
     """Stops recording once the work issued so far has run, writes the trace to ``path`` (when
     given) and returns its events (Chrome trace event dicts)."""
+    global _recorded
     s = current.session()
-    added, _recorded[:] = _recorded[1:], []
+    added, _recorded = _recorded or [], None
     events = chrome_events(s.trace(False), s.site_names, _nvtx_spans() + added)
     if path is not None:
         _write(path, events)
