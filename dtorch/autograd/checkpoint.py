@@ -18,12 +18,16 @@ generator are set back to their states at the forward for the recompute, then re
 (``preserve_rng_state=True``, torch's default). Its outputs must have the forward's shapes and
 layouts, or it raises (torch's determinism check).
 
+``context_fn`` is torch's: a function giving two contexts, entered around the forward and
+around the recompute. The pair torch's ``create_selective_checkpoint_contexts(policy)`` gives
+makes the checkpoint selective: the outputs of the products the policy keeps stay from the
+forward and the recompute does not run them again (``selective.py``).
+
 As torch's reentrant checkpoint (``use_reentrant=True``), it supports ``backward()`` and not
 ``autograd.grad`` through a region (which raises torch's error), and an input's gradient
 reaches it only through the tensors passed positionally; unlike it, parameters get their
 gradients when no input requires grad, as the non-reentrant one gives them, when
-``function`` is a module (or a module's method), whose parameters tell. ``context_fn``
-(selective checkpointing) raises ``NotImplementedError``.
+``function`` is a module (or a module's method), whose parameters tell.
 """
 
 from __future__ import annotations
@@ -34,17 +38,13 @@ import warnings
 import torch
 
 from ..tensor import Tensor
-from . import tape
+from . import selective, tape
 
 
 def checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism_check="default",
                debug=False, preserve_rng_state: bool = True, **kwargs):
     """``function(*args, **kwargs)``, its activations recomputed in the backward (see the
     module doc)."""
-    if context_fn is not None:
-        raise NotImplementedError("dtorch.nn.checkpoint: context_fn (selective activation "
-                                  "checkpointing) is not supported yet; the whole region is "
-                                  "recomputed")
     if determinism_check not in ("default", "none"):
         raise ValueError(f"determinism_check should be one of ['default', 'none'], but got "
                          f"{determinism_check}")
@@ -57,7 +57,8 @@ def checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism
                           stacklevel=2)
         return function(*args, **kwargs)
     state = _rng_state() if preserve_rng_state else None
-    with torch.no_grad():
+    contexts = _contexts(context_fn)
+    with torch.no_grad(), contexts[0]:
         outputs = function(*args, **kwargs)
     outs = _differentiable(outputs)
     if not outs:
@@ -66,7 +67,7 @@ def checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism
     needs = tuple(t.requires_grad for t in inputs)
 
     def vjp(grads):
-        return _recompute(function, args, kwargs, state, specs, needs, grads,
+        return _recompute(function, args, kwargs, state, contexts[1], specs, needs, grads,
                           determinism_check != "none")
 
     node = tape.Node(tape.Recomputed(vjp), 0, tuple(inputs), needs, outs)
@@ -75,7 +76,22 @@ def checkpoint(function, *args, use_reentrant=None, context_fn=None, determinism
     return outputs
 
 
-def _recompute(function, args, kwargs, state, specs, needs, grads, check: bool) -> list:
+def _contexts(context_fn) -> tuple:
+    """The context around the forward, and a function giving the one around a recompute: a
+    selective region's (``selective``) where ``context_fn`` gives torch's selective-checkpoint
+    pair, else the pair as given."""
+    if context_fn is None:
+        return contextlib.nullcontext(), contextlib.nullcontext
+    contexts = context_fn()
+    policy = selective.policy_of(contexts)
+    if policy is None:
+        return contexts[0], lambda: contexts[1]
+    region = selective.Region(policy)
+    return region.open(recomputing=False), lambda: region.open(recomputing=True)
+
+
+def _recompute(function, args, kwargs, state, context, specs, needs, grads,
+               check: bool) -> list:
     """The inputs' gradients: ``function`` run again with the tape on, and walked back."""
     detached, leaves = [], []
     for a in args:
@@ -83,7 +99,7 @@ def _recompute(function, args, kwargs, state, specs, needs, grads, check: bool) 
             a = a.detach().requires_grad_(a.requires_grad and tape.differentiable(a._spec))
             leaves.append(a)
         detached.append(a)
-    with _rng(state), torch.enable_grad():
+    with _rng(state), torch.enable_grad(), context():
         outs = _differentiable(function(*detached, **kwargs))
     if check and [t._spec for t in outs] != specs:
         raise RuntimeError(f"dtorch.nn.checkpoint: the recomputed outputs are "

@@ -37,6 +37,7 @@ marked used (a second backward raises torch's error).
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
@@ -197,14 +198,20 @@ def record(bound, operands, outs, needs, key) -> None:
             t._node = node
 
 
+class _Local(threading.local):
+    region = None  # the thread's open selective-checkpoint region (``selective.Region``)
+
+
 class Recorder:
     """The tape as a session holds it (``Session.recorder``): what ``client/dispatch.issue``
-    calls for each call it issues (see there)."""
+    calls for each call it issues (see there), and ``local.region``, to which it hands the
+    operator calls of a thread inside a selective checkpoint."""
 
     __slots__ = ()
     needs_of = staticmethod(needs_of)
     announce = staticmethod(announce)
     record = staticmethod(record)
+    local = _Local()
 
 
 RECORDER = Recorder()
@@ -294,9 +301,17 @@ class Recomputed:
         self.vjp = vjp
 
 
+class Formula:
+    """The ``op`` of a node whose VJP the client computes in dtorch's operators: a selective
+    checkpoint's kept product (``selective.py``), recorded without running its kernel."""
+
+    def __init__(self, name: str, vjp):
+        self.name, self.vjp = name, vjp
+
+
 def _vjp(node, grads, retain: bool = False) -> list:
     """The operands' gradients (None where not needed) from the results' (None: zero)."""
-    if type(node.op) is Recomputed:
+    if type(node.op) in (Recomputed, Formula):
         return node.op.vjp(grads)
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads

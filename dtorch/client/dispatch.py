@@ -133,14 +133,20 @@ def graph_of(operands, mask):
 
 def issue(s, b: Bound, operands, site: int, graph):
     """Issues the bound call ``b`` on ``graph`` (``graph_of``: the caller's choice), with the
-    redistributions its rule asks for before and after it."""
+    redistributions its rule asks for before and after it; an operator's call inside a
+    selective checkpoint's region goes to the region (``recorder.local.region``), which issues
+    it or gives its kept output."""
+    recorder = s.recorder
+    if recorder is not None and b.op is not None:
+        region = recorder.local.region
+        if region is not None:
+            return region.issue(s, b, operands, site, graph)
     if b.pre:
         operands = list(operands)
         for k, rb in b.pre:
             operands[k] = issue(s, rb, (operands[k],), site, graph)
     vals = _wire_operands(operands, b.mask)
     call_id, ids, graph_id = b.call_id, s.ids, graph._id
-    recorder = s.recorder
     needs = None if recorder is None else recorder.needs_of(b, operands)
     if b.inplace:
         target = operands[0]

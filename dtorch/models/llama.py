@@ -270,8 +270,9 @@ class LlamaModel(nn.Module):
                 self.layers.append(LlamaDecoderLayer(config, i, dtype))
         with _guard(self.stage_meshes[-1]):
             self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # each layer's activations recomputed in the backward (HF's name; training only)
-        self.gradient_checkpointing = False
+        # each layer's activations recomputed in the backward (HF's name; training only), and
+        # the arguments ``nn.checkpoint`` gets (HF's ``gradient_checkpointing_kwargs``)
+        self.gradient_checkpointing, self.checkpoint_kwargs = False, {}
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
         h = self.embed_tokens(input_ids)
@@ -284,7 +285,7 @@ class LlamaModel(nn.Module):
             if mesh not in tables:
                 tables[mesh] = tuple(hop(t, mesh) for t in tables[self.stage_meshes[0]])
             if self.gradient_checkpointing and self.training and cache is None:
-                h = nn.checkpoint(layer, h, tables[mesh])
+                h = nn.checkpoint(layer, h, tables[mesh], **self.checkpoint_kwargs)
             else:
                 h = layer(h, tables[mesh], cache)
         if cache is not None:
@@ -343,12 +344,11 @@ class LlamaForCausalLM(nn.Module):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         """HF's switch: in training mode each decoder layer's activations are recomputed in
-        the backward (``dtorch.nn.checkpoint``) instead of kept."""
-        if gradient_checkpointing_kwargs:
-            raise NotImplementedError(f"gradient_checkpointing_kwargs="
-                                      f"{gradient_checkpointing_kwargs!r}: dtorch's checkpoint "
-                                      f"takes none")
+        the backward (``dtorch.nn.checkpoint``, given ``gradient_checkpointing_kwargs``: a
+        ``context_fn`` of torch's ``create_selective_checkpoint_contexts`` keeps what its
+        policy saves) instead of kept."""
         self.model.gradient_checkpointing = True
+        self.model.checkpoint_kwargs = dict(gradient_checkpointing_kwargs or {})
 
     def gradient_checkpointing_disable(self) -> None:
         self.model.gradient_checkpointing = False

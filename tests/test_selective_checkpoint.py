@@ -1,0 +1,208 @@
+"""Selective activation checkpointing (``autograd/selective.py``): with torch's
+``create_selective_checkpoint_contexts`` as ``context_fn``, the products the policy keeps are
+not run again in the backward, and the gradients are the uncheckpointed run's: bit for bit on
+one device (dropout included), within float64's reduction-order error on meshes (uneven rows
+too). The policy sees what torch's sees; a policy that keeps what dtorch cannot keeps nothing
+and says so; a recompute that differs raises."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers import LlamaConfig
+
+import dtorch
+from dtorch.autograd import selective
+from dtorch.models.llama import LlamaForCausalLM
+from test_activation_checkpoint import Block, make, run
+
+F = dtorch.nn.functional
+MM = torch.ops.aten.mm.default
+KEEP_MM = functools.partial(create_selective_checkpoint_contexts, [MM])
+
+
+def forward_kernels(blocks, mesh, x0, context_fn):
+    """The names of the forward kernels (fused chains split) the backward's recompute ran."""
+    for b in blocks:
+        b.zero_grad()
+    x = dtorch.from_torch(x0, mesh).requires_grad_()
+    h = x
+    for b in blocks:
+        h = dtorch.nn.checkpoint(b, h, context_fn=context_fn)
+    loss = (h * h).sum()
+    dtorch.sync()
+    with dtorch.profiler.profile() as prof:
+        loss.backward()
+        dtorch.sync()
+    return [part for e in prof.kernels() if "(backward)" not in e["name"]
+            for part in e["name"].split("+")]
+
+
+def test_one_device_is_bit_identical_and_runs_no_product_again(one):
+    blocks, x0 = make(one)
+    plain = run(blocks, one, x0, False)
+    selective = run(blocks, one, x0, True, context_fn=KEEP_MM)
+    assert plain[0] == selective[0]
+    for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
+        assert torch.equal(a, b)
+    # the whole recompute runs the linears again, the selective one none of them (its
+    # gradients come from matmuls of the formula) but still the dropout and gelu between
+    assert forward_kernels(blocks, one, x0, None).count("linear") == 2 * len(blocks)
+    again = forward_kernels(blocks, one, x0, KEEP_MM)
+    assert "linear" not in again and "gelu" in again and "dropout" in again
+
+
+@pytest.mark.parametrize("layout", ["dp2xtp2", "dp3-uneven"])
+def test_distributed_equals_uncheckpointed(layout, mesh1, mesh2):
+    mesh = mesh2 if layout == "dp2xtp2" else mesh1
+    blocks, x0 = make(mesh, dtype=torch.float64)
+    if layout == "dp3-uneven":  # 7 rows on 3 devices: blocks of 3, 3, 1
+        x0 = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    plain = run(blocks, mesh, x0, False)
+    selective = run(blocks, mesh, x0, True, context_fn=KEEP_MM)
+    assert plain[0] == pytest.approx(selective[0], rel=1e-14)
+    for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)  # float64: reduction order
+
+
+def test_the_policy_sees_what_torchs_sees(one):
+    """A torchtitan-style policy: every other product kept, counted per call. It is called in
+    the forward only, with torch's context (``op_output`` the result) and the aten op torch's
+    dispatch names for a linear (``mm``); the products it does not keep run again."""
+    seen = []
+
+    def every_other_mm(ctx, op, *args, **kwargs):
+        seen.append((op, ctx.is_recompute, type(ctx.op_output)))
+        keep = op is MM and sum(o is MM for o, _, _ in seen) % 2 == 1
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    blocks, x0 = make(one, p=0.0)
+    policy = functools.partial(create_selective_checkpoint_contexts, every_other_mm)
+    plain = run(blocks, one, x0, False)
+    seen.clear()
+    selective = run(blocks, one, x0, True, context_fn=policy)
+    for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
+        assert torch.equal(a, b)
+    assert [op for op, _, _ in seen].count(MM) == 2 * len(blocks)  # the forward's only
+    assert torch.ops.aten.gelu.default in [op for op, _, _ in seen]
+    assert all(not again and kind is dtorch.Tensor for _, again, kind in seen)
+    # each block's first linear (up) kept, its second (down) run again
+    assert forward_kernels(blocks, one, x0, policy).count("linear") == len(blocks)
+
+
+def test_keeping_what_has_no_formula_warns_and_recomputes(one):
+    blocks, x0 = make(one, p=0.0)
+    plain = run(blocks, one, x0, False)
+    keep_gelu = functools.partial(create_selective_checkpoint_contexts,
+                                  [torch.ops.aten.gelu.default, MM])
+    with pytest.warns(UserWarning, match="keeps gelu's output, which dtorch recomputes"):
+        selective = run(blocks, one, x0, True, context_fn=keep_gelu)
+    for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
+        assert torch.equal(a, b)
+
+
+def test_other_contexts_are_entered_around_forward_and_recompute(one):
+    entered = []
+
+    class Marker:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            entered.append((self.name, torch.is_grad_enabled()))
+
+        def __exit__(self, *exc):
+            entered.append(("exit " + self.name, None))
+
+    block = Block(one, p=0.0)
+    x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
+    y = dtorch.nn.checkpoint(block, x, context_fn=lambda: (Marker("forward"),
+                                                           Marker("recompute")))
+    assert entered == [("forward", False), ("exit forward", None)]
+    y.sum().backward()
+    assert entered[2:] == [("recompute", True), ("exit recompute", None)]
+
+
+def test_a_recompute_that_differs_raises(one):
+    a = dtorch.from_torch(torch.randn(16, 8), one).requires_grad_()
+    x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
+    calls = []
+
+    def changing(t):  # the same shapes, but the kept call is another op the second time
+        calls.append(1)
+        return F.linear(t, a).tanh() if len(calls) == 1 else (t @ a.t()).tanh()
+
+    y = dtorch.nn.checkpoint(changing, x, context_fn=KEEP_MM).sum()
+    with pytest.raises(RuntimeError, match="forward kept linear's"):
+        y.backward()
+    calls.clear()
+
+    def fewer(t):
+        calls.append(1)
+        return F.linear(t.tanh(), a) if len(calls) == 1 else F.linear(t, a)
+
+    y = dtorch.nn.checkpoint(fewer, x, context_fn=KEEP_MM).sum()
+    with pytest.raises(RuntimeError, match="fewer than the forward"):
+        y.backward()
+    # and the runtime goes on: the same region, computing the same, gives torch's gradient
+    x.grad = None
+    dtorch.nn.checkpoint(lambda t: F.linear(t, a).tanh(), x, context_fn=KEEP_MM).sum().backward()
+    xt, at = x.to_torch().requires_grad_(), a.to_torch()
+    torch.nn.functional.linear(xt, at).tanh().sum().backward()
+    assert torch.equal(x.grad.to_torch(), xt.grad)
+
+
+def test_a_retained_graph_recomputes_again(one):
+    block = Block(one, p=0.0)
+    x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
+    y = dtorch.nn.checkpoint(block, x, context_fn=KEEP_MM).sum()
+    y.backward(retain_graph=True)
+    first = x.grad.to_torch().clone()
+    y.backward()  # the kept outputs were taken: everything is run again
+    torch.testing.assert_close(x.grad.to_torch(), 2 * first)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2xtp2"])
+def test_llama_training_with_selective_checkpointing(layout, one, mesh2, monkeypatch):
+    """HF's switch with HF's ``gradient_checkpointing_kwargs``: torchtitan's policy (keep the
+    products) over 3 AdamW steps equals the run without checkpointing, and each recompute
+    takes the layer's 7 projections from the forward."""
+    mesh = one if layout == "one" else mesh2
+    taken = []
+    real = selective.Region._substitute
+    monkeypatch.setattr(selective.Region, "_substitute",
+                        lambda self, b, *a: taken.append(b.op.name) or real(self, b, *a))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for kwargs in (None, {"use_reentrant": False, "context_fn": KEEP_MM}):
+        model = LlamaForCausalLM(config, device_mesh=mesh).train()
+        model.load_state_dict({k: torch.randn(v.shape, generator=torch.Generator().manual_seed(
+            i)) * 0.1 for i, (k, v) in enumerate(model.state_dict().items())})
+        if kwargs is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # every product it keeps has a formula
+                logits = model(ids)
+                labels = dtorch.from_torch(ids[:, 1:].flatten(), device_mesh=logits.device_mesh)
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.to_torch() for p in model.parameters()]))
+    (plain, plain_w), (again, again_w) = runs
+    assert taken == ["linear"] * 7 * config.num_hidden_layers * 3
+    if layout == "one":
+        assert plain == again and all(torch.equal(a, b) for a, b in zip(plain_w, again_w))
+    else:
+        assert again == pytest.approx(plain, rel=1e-5)
+        for a, b in zip(plain_w, again_w):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
