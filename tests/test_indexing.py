@@ -40,10 +40,10 @@ LAYOUTS = [("one", (R,)), ("mesh1", (S0,)), ("mesh1", (S2,)), ("mesh1", (P,)),
 layout = layout_fixture(LAYOUTS)
 
 
-def touched(index, shape, ints: bool = True) -> set:
+def touched(index, shape, picks: bool = True) -> set:
     """The dims an index touches (docs/ops.md: an int, a slice that is not the whole dim, an
-    index tensor or list, a mask); the others pass whole. ``ints=False`` leaves out the dims
-    an int indexes."""
+    index tensor or list, a mask); the others pass whole. ``picks=False`` leaves out the dims
+    an int or an index tensor, list or mask picks from."""
     items = index if isinstance(index, tuple) else (index,)
     used = sum(1 for item in items if item is not None and item is not Ellipsis)
     dims, d = set(), 0
@@ -53,20 +53,18 @@ def touched(index, shape, ints: bool = True) -> set:
         if item is Ellipsis:
             d += len(shape) - used
             continue
-        if not (isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1) or
-                isinstance(item, int) and not ints):
+        whole = isinstance(item, slice) and item.indices(shape[d]) == (0, shape[d], 1)
+        if not (whole or not picks and not isinstance(item, slice)):
             dims.add(d)
         d += 1
     return dims
 
 
-def getitem_refused(placements, index, shape) -> bool:
-    """docs/ops.md: a sharded dim that a slice or an index tensor touches is refused; one an int
-    touches is too where the index also holds tensors or lists (else the int selects from the
-    block that holds it)."""
-    items = index if isinstance(index, tuple) else (index,)
-    advanced = any(isinstance(it, (list, torch.Tensor)) for it in items)
-    return shards_any(placements, touched(index, shape, ints=advanced))
+def getitem_refused(placements, index, shape, dtype=torch.float32) -> bool:
+    """docs/ops.md: a sharded dim that a slice touches is refused; one an int or an index
+    tensor (list, mask) picks from is too in a bool tensor (else the device whose block holds
+    an element selects it)."""
+    return shards_any(placements, touched(index, shape, picks=dtype == torch.bool))
 
 
 def shards_any(placements, dims) -> bool:
@@ -89,7 +87,7 @@ WHOLE_DIM_INDICES = {  # the sharded dims (0 and 2 in LAYOUTS) pass whole: never
     "int+ellipsis": (Ellipsis, 2, slice(None)),
     "mask-torch": (slice(None), torch.tensor([True, False, True, True])),
 }
-TOUCHING_INDICES = {  # these index a dim some layouts shard: refused there but for ints
+TOUCHING_INDICES = {  # these index a dim some layouts shard: refused there but for picks
     "first-int": 3,
     "first-slice": slice(1, 4),
     "adv-apart": ([0, 1], slice(None), [2, 3]),
@@ -112,8 +110,8 @@ def test_getitem_whole_dims_keep_shards(name, layout):
 
 @pytest.mark.parametrize("name", TOUCHING_INDICES)
 def test_getitem_touching(name, layout):
-    """Refused (ValueError naming the fix) exactly when a sharded dim is touched by more than
-    ints; the fix works as written."""
+    """Refused (ValueError naming the fix) exactly when a slice touches a sharded dim; the fix
+    works as written."""
     mesh, placements, exact = layout
     t = sample(SHAPE)
     x = distribute(t, mesh, placements)
@@ -181,8 +179,8 @@ def index_items(shape):
 
 
 def test_getitem_hypothesis(mesh1, mesh2):
-    """Random indices over sharded and Partial layouts: refused exactly when the index touches
-    a sharded dim with more than ints, else torch's values."""
+    """Random indices over sharded and Partial layouts: refused exactly when a slice touches
+    a sharded dim, else torch's values."""
     executed = []
 
     @HYPOTHESIS
@@ -219,13 +217,49 @@ def test_getitem_int_on_sharded_dim_selects_from_its_block(placements, mesh1, me
     assert all(torch.equal(a.to_torch(), b) for a, b in zip(x, t))  # iteration, as torch's
 
 
-def test_getitem_int_on_sharded_dim_refused_with_tensors_and_bools(mesh1):
-    """A sharded int-indexed dim with index tensors or lists beside it, or of a bool tensor
-    (a bool sum is no selection), keeps the refusal naming the fix."""
+def test_getitem_int_on_sharded_dim_refused_for_bools_and_slices(mesh1):
+    """A sharded dim a bool tensor's int or index picks from (a bool sum is no selection), or
+    that a slice touches, keeps the refusal naming the fix."""
     t = sample((5, 3))
-    assert_refused(lambda v: v[1, [0, 2]], distribute(t, mesh1, [S0]), op="getitem")
     assert_refused(lambda v: v[2], distribute(t > 0, mesh1, [S0]), op="getitem")
+    assert_refused(lambda v: v[[2, 0]], distribute(t > 0, mesh1, [S0]), op="getitem")
     assert_refused(lambda v: v[1:3], distribute(t, mesh1, [S0]), op="getitem")
+
+
+PICKS = {  # index tensors (and ints beside them) on the dims (0 and 2) the layouts shard
+    "rows": (torch.tensor([4, 0, 4, -1, 2]),),
+    "rows-2d": (torch.tensor([[3, -5], [0, 4]]),),
+    "clip-pooled": (torch.arange(5), torch.tensor([1, 3, 0, 3, 2])),  # x[arange(B), eos]
+    "apart": (torch.tensor([0, 4, 2]), slice(None), torch.tensor([6, -7, 3])),  # to the front
+    "adjacent": (slice(None), torch.tensor([0, 3]), torch.tensor([[6], [1]])),  # in place
+    "int-beside": (1, slice(None), torch.tensor([6, 0, 6])),
+    "broadcast": (torch.tensor([[1], [4]]), torch.tensor([2, 0, 1])),
+}
+
+
+@pytest.mark.parametrize("placements", [(S0,), (S2,), (S0, S2), (S2, S0), (S0, S0), (P, S0),
+                                        (S0, P)], ids=str)
+@pytest.mark.parametrize("name", PICKS)
+def test_getitem_index_tensors_on_sharded_dims(name, placements, mesh1, mesh2):
+    """Each device picks the elements its block holds (uneven: 5 rows and 7 columns on 3 or 4
+    devices, a device with no row at all), zeros for the others, and the Partial sum is reduced
+    to Replicate: torch's values bit for bit, a Partial elsewhere kept; the gradient lands in
+    the owners' blocks, repeated picks summed, as torch's."""
+    mesh = mesh1 if len(placements) == 1 else mesh2
+    t = sample((5, 4, 7), torch.float64)
+    index = PICKS[name]
+    x = distribute(t, mesh, placements)
+    y = x[index]
+    assert [p.is_partial() for p in y.placements] == [q.is_partial() for q in placements]
+    assert torch.equal(y.to_torch(), t[index])
+    if any(p.is_partial() for p in placements):
+        return
+    w = dtorch.from_torch(t, device_mesh=mesh, placements=list(placements), requires_grad=True)
+    u = sample(t[index].shape, torch.float64)
+    (w[index] * dtorch.from_torch(u, device_mesh=mesh)).sum().backward()
+    ref = t.clone().requires_grad_()
+    (ref[index] * u).sum().backward()
+    assert torch.equal(w.grad.to_torch(), ref.grad)
 
 
 def test_getitem_int_on_sharded_dim_differentiates(mesh1):

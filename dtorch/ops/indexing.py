@@ -1,9 +1,10 @@
 """Indexing: ``x[index]``, ``x[index] = v``, and torch's indexing functions.
 
-A dim that a slice (not the whole dim) or an index tensor touches must be Replicate: a shard's
-block of a slice of an uneven split is generally not an ``array_split`` chunk of the result, so
-the rule refuses rather than give wrong values. An int may index a sharded dim: the device whose
-block holds it selects it (``ops/select_sharded.py``). A dim that passes whole
+A dim that a slice (not the whole dim) touches must be Replicate: a shard's block of a slice
+of an uneven split is generally not an ``array_split`` chunk of the result, so the rule refuses
+rather than give wrong values. An int or an index tensor may index a sharded dim: the device
+whose block holds an element selects it (``ops/select_sharded.py``); setitem's still must be
+Replicate there. A dim that passes whole
 (``:``, ``...``, the dims after the index) keeps its shard at its new position, since each
 device then indexes its own block exactly as torch indexes the whole. Selection copies elements
 and never combines them, so every Partial passes ``x[index]``; index tensors are Replicate.
@@ -42,7 +43,7 @@ from .creation import from_torch
 from .registry import INPLACE, VIEW, OpDef, issue, register
 from .rules import ALL_PARTIALS, LINEAR_PARTIALS, Placed, expand
 from .segments import cut_slice
-from .select_sharded import local_items, picked_dims, picking_rows, reduce_picked
+from .select_sharded import pick, picked_dims, picking_rows, reduce_picked
 
 R = Replicate()
 TENSOR, ELLIPSIS = "T", "..."
@@ -123,21 +124,19 @@ def getitem_meta(input, *indices, index):
 
 
 def _getitem_kernel(ctx, input, *indices, index):
-    picked = picked_dims(ctx.in_specs[0], index, len(indices))
+    picked = picked_dims(ctx.in_specs[0], index)
     if picked:
-        index = local_items(ctx, index, picked)
-        if index is None:  # another device's block holds the element
-            return torch.zeros(ctx.out_local_shape, dtype=input.dtype, device=input.device)
+        return pick(ctx, input, indices, index, picked, lambda x, t, i: _getitem(x, *t, index=i))
     return _getitem(input, *indices, index=index)
 
 
 def getitem_rule(call) -> Placed:
     spec, *idx = call.tensors
     dims = passthrough_dims(call.static["index"], spec.shape, [len(s.shape) for s in idx])
-    picked = picked_dims(spec, call.static["index"], len(idx))
+    picked = picked_dims(spec, call.static["index"])
     rest = (R,) * len(idx)
     rows = [((Shard(o),), (Shard(d),) + rest) for d, o in dims.items()]
-    rows += [((p,), (p,) + rest) for p in ALL_PARTIALS] + picking_rows(picked)
+    rows += [((p,), (p,) + rest) for p in ALL_PARTIALS] + picking_rows(picked, len(idx))
     return reduce_picked(expand(call, rows), spec, picked)
 
 
