@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import dtorch
+from dtorch.autograd import checkpoint as checkpointing
 from dtorch import Replicate, Shard
 
 R, S0 = Replicate(), Shard(0)
@@ -119,17 +120,30 @@ def test_hf_llama_unported_trains_as_hf(hf_llama, dp2tp2):
         torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_hf_gradient_checkpointing_non_reentrant_gives_hfs_gradients(hf_llama, dp2tp2):
-    """HF's gradient checkpointing through torch.utils.checkpoint (non-reentrant, HF's
-    default) runs unchanged and gives HF's gradients. (It saves no memory here: torch's saved
-    tensor hooks do not see dtorch's tape; ``dtorch.nn.checkpoint`` is what recomputes.)"""
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("enabled", ["before", "after"])
+def test_hf_gradient_checkpointing_recomputes_with_hfs_gradients(reentrant, enabled, hf_llama,
+                                                                  dp2tp2, monkeypatch):
+    """HF's gradient checkpointing, reentrant or not, switched on before or after
+    ``parallelize``, recomputes each layer through ``dtorch.nn.checkpoint`` (torch's own would
+    give the reentrant form no gradients and keep everything in the other) and gives the
+    gradients HF's model gets from torch's checkpoint."""
+    recomputed = []
+    real = checkpointing._recompute
+    monkeypatch.setattr(checkpointing, "_recompute",
+                        lambda *a: recomputed.append(a[0]) or real(*a))
     ref, model = copy.deepcopy(hf_llama).train(), copy.deepcopy(hf_llama).train()
+    kwargs = {"use_reentrant": reentrant}
+    for m in (ref, model) if enabled == "before" else (ref,):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     dtorch.nn.parallelize(model, dp2tp2, LLAMA_PLAN)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if enabled == "after":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     x = ids(9)
     d = dtorch.from_torch(x, dp2tp2, [S0, R])
     model(d, labels=d, use_cache=False).loss.backward()
     ref(x, labels=x, use_cache=False).loss.backward()
+    assert len(recomputed) == hf_llama.config.num_hidden_layers
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5)

@@ -33,6 +33,7 @@ gradients when no input requires grad, as the non-reentrant one gives them, when
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -122,7 +123,11 @@ def _differentiable(outputs) -> list:
 
 
 def _parameters(function) -> list:
-    """The parameters of ``function`` when it is a module or a module's method, else none."""
+    """The parameters of ``function`` when it is a module or a module's method, or a partial
+    of a module's function with the module first (HF's ``partial(forward, layer)``), else
+    none."""
+    if isinstance(function, functools.partial):
+        function = function.args[0] if function.args else function.func
     owner = getattr(function, "__self__", function)
     return list(owner.parameters()) if isinstance(owner, torch.nn.Module) else []
 

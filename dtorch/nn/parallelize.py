@@ -20,6 +20,9 @@ module's torch tensors, each device receiving its block; a module built on torch
 device (no values) gets its layouts without values (``dtorch.nn.init_empty``'s) for
 ``load_checkpoint`` to fill.
 
+HF's gradient checkpointing (``gradient_checkpointing_enable``, before or after) recomputes
+through ``dtorch.nn.checkpoint``, with the arguments HF gives torch's (``_checkpointing``).
+
 >>> import dtorch, torch
 >>> mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
 >>> torch.manual_seed(0)
@@ -37,11 +40,13 @@ True
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 import torch
 
 import dtorch
 
+from ..autograd.checkpoint import checkpoint
 from ..mesh import DeviceMesh
 from ..ops.random_fill import init_empty
 from ..placement import Replicate, Shard
@@ -84,7 +89,34 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
                     Buffer(_laid_out(b, mesh, placements), persistent=persistent)))
         if style != "replicate":
             _hook(sub, style, tp)
+    _checkpointing(module)
     return module
+
+
+def _checkpointing(module) -> None:
+    """HF's layers checkpoint through the function ``_set_gradient_checkpointing`` hands them,
+    a partial of ``torch.utils.checkpoint.checkpoint``. Its reentrant form runs the layer under
+    ``no_grad`` inside a torch ``autograd.Function``, which dtorch tensors do not pass through
+    (the layer gets no gradients), and its non-reentrant one keeps everything (torch's
+    saved-tensor hooks do not see dtorch's tape). So every layer's function becomes
+    ``dtorch.nn.checkpoint`` with the partial's arguments, now and whenever HF sets it again."""
+    for sub in module.modules():
+        if sub.__dict__.get("_gradient_checkpointing_func") is not None:
+            sub._gradient_checkpointing_func = _dtorch_checkpoint(
+                sub._gradient_checkpointing_func)
+        setter = getattr(sub, "_set_gradient_checkpointing", None)
+        if setter is not None and not getattr(setter, "through_dtorch", False):
+            def through_dtorch(enable=True, gradient_checkpointing_func=None, _set=setter,
+                               **kwargs):
+                return _set(enable, _dtorch_checkpoint(gradient_checkpointing_func), **kwargs)
+
+            through_dtorch.through_dtorch = True
+            sub._set_gradient_checkpointing = through_dtorch
+
+
+def _dtorch_checkpoint(function):
+    """``dtorch.nn.checkpoint`` with the arguments of ``function``, HF's partial of torch's."""
+    return functools.partial(checkpoint, **getattr(function, "keywords", {}))
 
 
 def _once(made: dict, t: torch.Tensor, where: str, placements: list, lay_out):
