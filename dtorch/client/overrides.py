@@ -57,10 +57,12 @@ def run(module, functional, tensor_cls, func, args, kwargs):
             f"dtorch has no operator for torch's {getattr(func, '__module__', 'torch')}."
             f"{where} on dtorch tensors; use dtorch's operators (docs/ops.md), "
             f"dtorch.local_map, or read the value with .to_torch()")
+    if _plain(args) and (not kwargs or _plain(kwargs.values())):
+        return ours(*args, **kwargs)
     mesh = first.device_mesh
     if func in _JOINS and args and isinstance(args[0], (list, tuple)):
-        # torch's legacy rule: a 1-D tensor with no elements takes no part in a cat (HF's
-        # DynamicCache starts each layer's keys from one)
+        # torch's legacy rule: a 1-D torch tensor with no elements takes no part in a cat
+        # (HF's DynamicCache starts each layer's keys from one)
         args = ([t for t in args[0] if not (isinstance(t, torch.Tensor) and t.dim() == 1
                                              and t.numel() == 0)], *args[1:])
     return ours(*_converted(args, mesh), **_converted(kwargs, mesh))
@@ -93,6 +95,16 @@ def _leaves(value):
             yield from _leaves(v)
     else:
         yield value
+
+
+def _plain(values) -> bool:
+    """Whether ``values`` hold no torch tensor to convert, in lists and tuples too (torch.cat's
+    tensors): the usual call, passed on as it is."""
+    for v in values:
+        if isinstance(v, torch.Tensor) or isinstance(v, dict) or isinstance(
+                v, (list, tuple)) and not _plain(v):
+            return False
+    return True
 
 
 def _converted(value, mesh):
