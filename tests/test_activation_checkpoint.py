@@ -3,8 +3,11 @@ equal the uncheckpointed run's (bit for bit on one device, dropout included, whi
 recompute must draw again), and torch's where the values are torch's; parameters, ZeRO-3 layers,
 regions in a row, a retained graph, and the errors torch gives."""
 
+import functools
+
 import pytest
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import LlamaConfig
 
 import dtorch
@@ -117,7 +120,12 @@ def test_parameters_get_gradients_when_no_input_requires_grad(one):
         assert torch.equal(a, p.grad.to_torch())
 
 
-def test_zero3_layers_gather_again_in_the_recompute():
+@pytest.mark.parametrize("selective", [False, True], ids=["whole", "selective"])
+def test_zero3_layers_gather_again_in_the_recompute(selective):
+    """A ZeRO-3 layer's recompute gathers its shards again; a selective one's kept products
+    take their weights' gradients through the gathered weights, reduce-scattered back."""
+    kwargs = {"context_fn": functools.partial(
+        create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])} if selective else {}
     mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["dp"])
     blocks, x0 = make(mesh, p=0.0)
     plain = run(blocks, mesh, x0, False)
@@ -126,7 +134,7 @@ def test_zero3_layers_gather_again_in_the_recompute():
     for s, b in zip(sharded, blocks):
         s.load_state_dict({k: v.to_torch() for k, v in b.state_dict().items()})
         dtorch.nn.fully_shard(s)
-    again = run(sharded, mesh, x0, True)
+    again = run(sharded, mesh, x0, True, **kwargs)
     assert all(p.placements == [S0] for s in sharded for p in s.parameters())
     assert again[0] == pytest.approx(plain[0], rel=1e-6)
     for a, b in zip(plain[1] + [plain[2]], again[1] + [again[2]]):

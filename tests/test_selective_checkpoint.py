@@ -206,3 +206,33 @@ def test_llama_training_with_selective_checkpointing(layout, one, mesh2, monkeyp
         assert again == pytest.approx(plain, rel=1e-5)
         for a, b in zip(plain_w, again_w):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_another_threads_calls_stay_out_of_the_region(one):
+    """The region is the calling thread's: operators another thread issues while it is open
+    (here, from inside the checkpointed function's forward only) are neither counted nor kept,
+    so the recompute, which issues no such call, still finds its kept products where the
+    forward left them (were they counted, the product would be call 3, not 0)."""
+    import threading
+
+    a = dtorch.from_torch(torch.randn(16, 8), one).requires_grad_()
+    other = dtorch.from_torch(torch.randn(16, 8), one)
+    seen = []
+
+    def elsewhere():  # a product the policy would keep, were it in the region
+        seen.append(F.linear(other, other).sum().item())
+
+    def f(t):
+        if not seen:
+            worker = threading.Thread(target=elsewhere)
+            worker.start()
+            worker.join()
+        return F.linear(t, a).tanh()
+
+    x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
+    dtorch.nn.checkpoint(f, x, context_fn=KEEP_MM).sum().backward()
+    xt, at = x.to_torch().requires_grad_(), a.to_torch().requires_grad_()
+    torch.nn.functional.linear(xt, at).tanh().sum().backward()
+    assert torch.equal(x.grad.to_torch(), xt.grad) and torch.equal(a.grad.to_torch(), at.grad)
+    ot = other.to_torch()
+    assert seen == [torch.nn.functional.linear(ot, ot).sum().item()]
