@@ -125,7 +125,7 @@ def test_zero3_layers_gather_again_in_the_recompute(selective):
     """A ZeRO-3 layer's recompute gathers its shards again; a selective one's kept products
     take their weights' gradients through the gathered weights, reduce-scattered back."""
     kwargs = {"context_fn": functools.partial(
-        create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])} if selective else {}
+        create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])} if selective else {}
     mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["dp"])
     blocks, x0 = make(mesh, p=0.0)
     plain = run(blocks, mesh, x0, False)

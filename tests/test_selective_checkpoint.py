@@ -19,8 +19,9 @@ from dtorch.models.llama import LlamaForCausalLM
 from test_activation_checkpoint import Block, make, run
 
 F = dtorch.nn.functional
-MM = torch.ops.aten.mm.default
-KEEP_MM = functools.partial(create_selective_checkpoint_contexts, [MM])
+MM, ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+# torch shows a linear with a bias (Block's) as addmm, one without (the Llama's) as mm
+KEEP_PRODUCTS = functools.partial(create_selective_checkpoint_contexts, [MM, ADDMM])
 
 
 def forward_kernels(blocks, mesh, x0, context_fn):
@@ -43,14 +44,14 @@ def forward_kernels(blocks, mesh, x0, context_fn):
 def test_one_device_is_bit_identical_and_runs_no_product_again(one):
     blocks, x0 = make(one)
     plain = run(blocks, one, x0, False)
-    selective = run(blocks, one, x0, True, context_fn=KEEP_MM)
+    selective = run(blocks, one, x0, True, context_fn=KEEP_PRODUCTS)
     assert plain[0] == selective[0]
     for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
         assert torch.equal(a, b)
     # the whole recompute runs the linears again, the selective one none of them (its
     # gradients come from matmuls of the formula) but still the dropout and gelu between
     assert forward_kernels(blocks, one, x0, None).count("linear") == 2 * len(blocks)
-    again = forward_kernels(blocks, one, x0, KEEP_MM)
+    again = forward_kernels(blocks, one, x0, KEEP_PRODUCTS)
     assert "linear" not in again and "gelu" in again and "dropout" in again
 
 
@@ -61,7 +62,7 @@ def test_distributed_equals_uncheckpointed(layout, mesh1, mesh2):
     if layout == "dp3-uneven":  # 7 rows on 3 devices: blocks of 3, 3, 1
         x0 = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     plain = run(blocks, mesh, x0, False)
-    selective = run(blocks, mesh, x0, True, context_fn=KEEP_MM)
+    selective = run(blocks, mesh, x0, True, context_fn=KEEP_PRODUCTS)
     assert plain[0] == pytest.approx(selective[0], rel=1e-14)
     for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)  # float64: reduction order
@@ -70,12 +71,13 @@ def test_distributed_equals_uncheckpointed(layout, mesh1, mesh2):
 def test_the_policy_sees_what_torchs_sees(one):
     """A torchtitan-style policy: every other product kept, counted per call. It is called in
     the forward only, with torch's context (``op_output`` the result) and the aten op torch's
-    dispatch names for a linear (``mm``); the products it does not keep run again."""
+    dispatch names for a linear with a bias (``addmm``); the products it does not keep run
+    again."""
     seen = []
 
     def every_other_mm(ctx, op, *args, **kwargs):
         seen.append((op, ctx.is_recompute, type(ctx.op_output)))
-        keep = op is MM and sum(o is MM for o, _, _ in seen) % 2 == 1
+        keep = op is ADDMM and sum(o is ADDMM for o, _, _ in seen) % 2 == 1
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     blocks, x0 = make(one, p=0.0)
@@ -85,7 +87,7 @@ def test_the_policy_sees_what_torchs_sees(one):
     selective = run(blocks, one, x0, True, context_fn=policy)
     for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
         assert torch.equal(a, b)
-    assert [op for op, _, _ in seen].count(MM) == 2 * len(blocks)  # the forward's only
+    assert [op for op, _, _ in seen].count(ADDMM) == 2 * len(blocks)  # the forward's only
     assert torch.ops.aten.gelu.default in [op for op, _, _ in seen]
     assert all(not again and kind is dtorch.Tensor for _, again, kind in seen)
     # each block's first linear (up) kept, its second (down) run again
@@ -96,7 +98,7 @@ def test_keeping_what_has_no_formula_warns_and_recomputes(one):
     blocks, x0 = make(one, p=0.0)
     plain = run(blocks, one, x0, False)
     keep_gelu = functools.partial(create_selective_checkpoint_contexts,
-                                  [torch.ops.aten.gelu.default, MM])
+                                  [torch.ops.aten.gelu.default, MM, ADDMM])
     with pytest.warns(UserWarning, match="keeps gelu's output, which dtorch recomputes"):
         selective = run(blocks, one, x0, True, context_fn=keep_gelu)
     for a, b in zip(plain[1] + [plain[2]], selective[1] + [selective[2]]):
@@ -134,7 +136,7 @@ def test_a_recompute_that_differs_raises(one):
         calls.append(1)
         return F.linear(t, a).tanh() if len(calls) == 1 else (t @ a.t()).tanh()
 
-    y = dtorch.nn.checkpoint(changing, x, context_fn=KEEP_MM).sum()
+    y = dtorch.nn.checkpoint(changing, x, context_fn=KEEP_PRODUCTS).sum()
     with pytest.raises(RuntimeError, match="forward kept linear's"):
         y.backward()
     calls.clear()
@@ -143,12 +145,12 @@ def test_a_recompute_that_differs_raises(one):
         calls.append(1)
         return F.linear(t.tanh(), a) if len(calls) == 1 else F.linear(t, a)
 
-    y = dtorch.nn.checkpoint(fewer, x, context_fn=KEEP_MM).sum()
+    y = dtorch.nn.checkpoint(fewer, x, context_fn=KEEP_PRODUCTS).sum()
     with pytest.raises(RuntimeError, match="fewer than the forward"):
         y.backward()
     # and the runtime goes on: the same region, computing the same, gives torch's gradient
     x.grad = None
-    dtorch.nn.checkpoint(lambda t: F.linear(t, a).tanh(), x, context_fn=KEEP_MM).sum().backward()
+    dtorch.nn.checkpoint(lambda t: F.linear(t, a).tanh(), x, context_fn=KEEP_PRODUCTS).sum().backward()
     xt, at = x.to_torch().requires_grad_(), a.to_torch()
     torch.nn.functional.linear(xt, at).tanh().sum().backward()
     assert torch.equal(x.grad.to_torch(), xt.grad)
@@ -157,7 +159,7 @@ def test_a_recompute_that_differs_raises(one):
 def test_a_retained_graph_recomputes_again(one):
     block = Block(one, p=0.0)
     x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
-    y = dtorch.nn.checkpoint(block, x, context_fn=KEEP_MM).sum()
+    y = dtorch.nn.checkpoint(block, x, context_fn=KEEP_PRODUCTS).sum()
     y.backward(retain_graph=True)
     first = x.grad.to_torch().clone()
     y.backward()  # the kept outputs were taken: everything is run again
@@ -179,7 +181,8 @@ def test_llama_training_with_selective_checkpointing(layout, one, mesh2, monkeyp
                          max_position_embeddings=32)
     ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
     runs = []
-    for kwargs in (None, {"use_reentrant": False, "context_fn": KEEP_MM}):
+    torchtitans = functools.partial(create_selective_checkpoint_contexts, [MM])  # no biases
+    for kwargs in (None, {"use_reentrant": False, "context_fn": torchtitans}):
         model = LlamaForCausalLM(config, device_mesh=mesh).train()
         model.load_state_dict({k: torch.randn(v.shape, generator=torch.Generator().manual_seed(
             i)) * 0.1 for i, (k, v) in enumerate(model.state_dict().items())})
@@ -230,9 +233,39 @@ def test_another_threads_calls_stay_out_of_the_region(one):
         return F.linear(t, a).tanh()
 
     x = dtorch.from_torch(torch.randn(4, 8), one).requires_grad_()
-    dtorch.nn.checkpoint(f, x, context_fn=KEEP_MM).sum().backward()
+    dtorch.nn.checkpoint(f, x, context_fn=KEEP_PRODUCTS).sum().backward()
     xt, at = x.to_torch().requires_grad_(), a.to_torch().requires_grad_()
     torch.nn.functional.linear(xt, at).tanh().sum().backward()
     assert torch.equal(x.grad.to_torch(), xt.grad) and torch.equal(a.grad.to_torch(), at.grad)
     ot = other.to_torch()
     assert seen == [torch.nn.functional.linear(ot, ot).sum().item()]
+
+
+@pytest.mark.parametrize("product", ["matmul-3d-2d", "matmul-batched", "mm", "bmm"])
+def test_every_product_with_a_formula_is_bit_identical(product, one, monkeypatch):
+    """Each kept product's VJP in dtorch's operators gives the bits torch's backward of the
+    kernel gives (one device); the policy sees the aten op torch's dispatch shows (a batched
+    matmul is a bmm), and each is kept."""
+    taken, asked = [], []
+    real = selective.Region._substitute
+    monkeypatch.setattr(selective.Region, "_substitute",
+                        lambda self, b, *a: taken.append(b.op.name) or real(self, b, *a))
+    keep = functools.partial(create_selective_checkpoint_contexts, lambda ctx, op, *args: (
+        asked.append(op) or CheckpointPolicy.MUST_SAVE if op in (MM, torch.ops.aten.bmm.default)
+        else CheckpointPolicy.PREFER_RECOMPUTE))
+    g = torch.Generator().manual_seed(1)
+    shapes = {"matmul-3d-2d": ((3, 4, 8), (8, 5)), "matmul-batched": ((3, 4, 8), (3, 8, 5)),
+              "mm": ((4, 8), (8, 5)), "bmm": ((3, 4, 8), (3, 8, 5))}[product]
+    fn = {"mm": dtorch.mm, "bmm": dtorch.bmm}.get(product, dtorch.matmul)
+    a0, b0 = (torch.randn(s, generator=g) for s in shapes)
+    grads = []
+    for context_fn in (None, keep):
+        a, b = (dtorch.from_torch(t, one).requires_grad_() for t in (a0, b0))
+        y = fn(a.tanh(), b).sigmoid() if context_fn is None else dtorch.nn.checkpoint(
+            lambda u, v: fn(u.tanh(), v).sigmoid(), a, b, context_fn=context_fn)
+        (y * y).sum().backward()
+        grads.append([a.grad.to_torch(), b.grad.to_torch()])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
+    batched = product in ("matmul-batched", "bmm")
+    assert (torch.ops.aten.bmm.default if batched else MM) in asked
+    assert taken == [{"matmul-3d-2d": "matmul", "matmul-batched": "matmul"}.get(product, product)]

@@ -17,9 +17,8 @@ recomputed, with one warning naming it.
 
 The policy is torch's: ``policy_fn(ctx, op, *args)`` for every operator call of the forward
 (``ctx.is_recompute`` False, ``ctx.op_output`` the result), ``op`` the aten overload torch's
-dispatch would see for it (``ATEN``: ``linear`` and ``matmul`` are ``aten.mm.default``, as
-torchtitan's lists name them; otherwise ``aten.<name>.default`` where torch has one, else the
-operator's name), answering a ``CheckpointPolicy``. ``MUST_SAVE``/``PREFER_SAVE`` keep (and so
+dispatch would see for it (``aten_of``: a linear is ``aten.mm.default``, as torchtitan's lists
+name it), answering a ``CheckpointPolicy``. ``MUST_SAVE``/``PREFER_SAVE`` keep (and so
 do the CPU-offload answers: the output stays on its device). The recompute takes kept outputs
 by the call's index in the region, as torch does; a recompute that issues other calls than
 the forward raises.
@@ -84,21 +83,25 @@ def _matmul_applies(a, b):
 FORMULAS = {"linear": (_linear, _linear_applies), "matmul": (_matmul, _matmul_applies),
             "mm": (_matmul, _matmul_applies), "bmm": (_matmul, _matmul_applies)}
 
-# the aten overload a policy sees for a dtorch operator, where its name is not torch's
-ATEN = {"linear": torch.ops.aten.mm.default, "matmul": torch.ops.aten.mm.default}
 _aten_cache: dict = {}
 
 
-def aten_of(name: str):
+def aten_of(name: str, operands):
     """The aten overload torch's dispatch would show a policy for the dtorch operator ``name``
-    (see the module doc)."""
+    on ``operands``: a linear is ``mm`` (``addmm`` with a bias), a matmul ``bmm`` when both
+    operands are batched and ``mm`` otherwise, as torch folds them; any other operator
+    ``aten.<name>.default`` where torch has it, else its name."""
+    if name == "linear":
+        has_bias = len(operands) > 2 and operands[2] is not None
+        return torch.ops.aten.addmm.default if has_bias else torch.ops.aten.mm.default
+    if name == "matmul":
+        batched = all(getattr(o, "ndim", 0) > 2 for o in operands[:2])
+        return torch.ops.aten.bmm.default if batched else torch.ops.aten.mm.default
     op = _aten_cache.get(name)
     if op is None:
-        op = ATEN.get(name)
-        if op is None:
-            packet = getattr(torch.ops.aten, name, None)
-            op = getattr(packet, "default", name) if packet is not None else name
-        _aten_cache[name] = op
+        packet = getattr(torch.ops.aten, name, None)
+        op = _aten_cache[name] = getattr(packet, "default", name) if packet is not None \
+            else name
     return op
 
 
@@ -140,15 +143,13 @@ class Region:
             return self._issue(s, b, operands, site, graph)
         out = self._issue(s, b, operands, site, graph)
         name = b.op.name
-        if b.inplace or not isinstance(out, Tensor):
-            return out
         with self._suspended():
             answer = self.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out),
-                                    aten_of(name), *operands)
+                                    aten_of(name, operands), *operands)
         if answer not in _KEEP:
             return out
         formula = FORMULAS.get(name)
-        if formula is not None and formula[1](*operands):
+        if formula is not None and isinstance(out, Tensor) and formula[1](*operands):
             self.kept[k] = (name, out)
         elif name not in _warned:
             _warned.add(name)
