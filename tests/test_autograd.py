@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dtorch
+from dtorch.client import session
 from dtorch import Partial, Replicate, Shard
 from dtorch.autograd import tape
 from dtorch.client import dispatch
@@ -378,7 +379,8 @@ def test_a_communicating_kernel_without_differentiable_collectives_refuses(mesh2
     op = OpDef("my_collective", "my_collective(input: Tensor)", lambda ctx, x: x, None,
                flags=COMM, uses_context=True)
     with pytest.raises(NotImplementedError, match="my_collective"):
-        tape._vjp(tape.Node(op, 0, (), (), (dtorch.zeros(1, device_mesh=mesh2),)), [None])
+        tape._vjp(tape.Node(op, 0, (), (), (dtorch.zeros(1, device_mesh=mesh2),)), [None],
+                  False, session.current(), 0)
 
 
 def test_saved_blocks_are_freed_after_backward(mesh2):

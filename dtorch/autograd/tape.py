@@ -309,8 +309,9 @@ class Formula:
         self.name, self.vjp = name, vjp
 
 
-def _vjp(node, grads, retain: bool = False) -> list:
-    """The operands' gradients (None where not needed) from the results' (None: zero)."""
+def _vjp(node, grads, retain: bool, s, site: int) -> list:
+    """The operands' gradients (None where not needed) from the results' (None: zero), issued
+    in session ``s`` at the backward's ``site``; called under ``no_grad``."""
     if type(node.op) in (Recomputed, Formula):
         return node.op.vjp(grads)
     if node.op is None:  # a redistribute: the dual redistribute
@@ -320,31 +321,36 @@ def _vjp(node, grads, retain: bool = False) -> list:
         if source.is_leaf and coalescing(g._spec, _grad_spec(source)) is not None:
             return [g]  # (ZeRO-3's gathered parameters) a bucket reduces it (``_land``)
         return [laid_out(g, dual_spec(source._spec, "redistribute"))]
+    # the operands the hosts did not keep (``gathered``): gathered again, from their shards
+    dropped = tuple(k for k, o in enumerate(node.operands) if _is_gathered(o))
+    key = ("vjp", node.call_id, node.needs, retain, dropped)
+    bound = s.bound.get(key)
+    if bound is None:
+        bound = s.bound[key] = _bind_vjp(s, node, retain, dropped)
+    bound, grad_specs, needs = bound
+    grads = [_zeros(spec) if g is None else laid_out(g, spec)
+             for g, spec in zip(grads, grad_specs)]
+    regathered = [_regathered(node.operands[k]) for k in dropped]
+    result = dispatch.issue(s, bound, (node.key, *grads, *regathered), site, node.graph)
+    found = iter(result if isinstance(result, tuple) else (result,))
+    return [next(found) if need else None for need in needs]
+
+
+def _bind_vjp(s, node, retain: bool, dropped: tuple) -> tuple:
+    """``(Bound, the gradients' specs, which operands get one)``: the VJP call of ``node``'s
+    forward call, which every node of that call with these needs shares."""
     name = node.op.name
     comm = node.op.flags & COMM
     if comm and not node.op.comm_grad or node.op.kernel is None:
         raise NotImplementedError(f"dtorch autograd: {name} has no gradient yet (its kernel "
                                   f"communicates, so the local VJP is not its gradient)")
     grad_specs = tuple(dual_spec(spec, name) for spec in node.out_specs)
-    grads = [_zeros(spec) if g is None else laid_out(g, spec)
-             for g, spec in zip(grads, grad_specs)]
     needs = tuple(need and differentiable(o._spec) for o, need in zip(node.operands, node.needs))
-    s = session.current()
-    # the operands the hosts did not keep (``gathered``): gathered again, from their shards
-    dropped = tuple(k for k, o in enumerate(node.operands) if _is_gathered(o))
-    regathered = [_regathered(node.operands[k]) for k in dropped]
-    key = ("vjp", node.call_id, needs, grad_specs, retain, dropped)
-    bound = s.bound.get(key)
-    if bound is None:
-        outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
-        ins = (int, *grad_specs, *(node.operands[k]._spec for k in dropped))
-        call_id = s.define_call(node.call_id, ins, outs, (needs, retain, dropped),
-                                comm, P.CallKind.VJP)  # a COMM kernel's communicates
-        bound = s.bound[key] = dispatch.Bound(call_id, outs, (False,) + (True,) * (len(ins) - 1))
-    with torch.no_grad():
-        result = dispatch.issue(s, bound, (node.key, *grads, *regathered), s.site(), node.graph)
-    found = iter(result if isinstance(result, tuple) else (result,))
-    return [next(found) if need else None for need in needs]
+    outs = tuple(dual_spec(o._spec, name) for o, need in zip(node.operands, needs) if need)
+    ins = (int, *grad_specs, *(node.operands[k]._spec for k in dropped))
+    call_id = s.define_call(node.call_id, ins, outs, (needs, retain, dropped), comm,
+                            P.CallKind.VJP)  # a COMM kernel's communicates
+    return dispatch.Bound(call_id, outs, (False,) + (True,) * (len(ins) - 1)), grad_specs, needs
 
 
 def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
@@ -375,6 +381,8 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
         for group in _gathers_read(node):
             regathers[group] = regathers.get(group, 0) + 1
     found, buckets = {}, Buckets(_accumulate)
+    s = session.current()
+    site = s.site()  # the backward's line: every VJP it issues is attributed to it
     with torch.no_grad():
         for node in nodes:
             if node.operands is None:
@@ -386,7 +394,8 @@ def run_backward(roots, root_grads, retain_graph: bool, wanted=None) -> dict:
                 found.update({i: g for i, g in zip(node.out_ids, outs)
                               if i in wanted and g is not None})
             gathers = _gathers_read(node) if regathers else ()
-            in_grads = _vjp(node, outs, retain_graph) if any(g is not None for g in outs) \
+            in_grads = _vjp(node, outs, retain_graph, s, site) if any(
+                g is not None for g in outs) \
                 else ()
             for x, g in zip(node.operands, in_grads):
                 if g is not None and not x.is_leaf:
