@@ -326,6 +326,12 @@ def test_embedding_like_torch(cls, vocab, mesh):
         expected = twin(ids)
     # a vocabulary-parallel lookup sums one row with zeros: exact on every mesh
     assert_close(y, expected, exact=exact(mesh) or cls is nn.VocabParallelEmbedding)
+    # the gradient reaches every looked-up row but the padding row, as torch's
+    layer.weight.requires_grad_()
+    layer(put(ids, mesh, R)).sum().backward()
+    twin(ids).sum().backward()
+    assert not twin.weight.grad[1].any()
+    assert_close(layer.weight.grad, twin.weight.grad, exact=True)
 
 
 def test_embedding_constructor_forms(tp2):

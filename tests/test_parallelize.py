@@ -167,9 +167,68 @@ def test_plans_that_cannot_be_laid_out_raise(tp2):
         dtorch.nn.parallelize(mlp(), tp2, {"0": "diagonal"})
     with pytest.raises(ValueError, match="is a LayerNorm"):
         dtorch.nn.parallelize(mlp(), tp2, {"3": "colwise"})
+    with pytest.raises(ValueError, match="is a LayerNorm"):
+        dtorch.nn.parallelize(mlp(), tp2, {"3": dtorch.nn.RowwiseParallel()})
+    with pytest.raises(ValueError, match="no max_norm"):
+        dtorch.nn.parallelize(torch.nn.Embedding(5, 2, max_norm=1.0), tp2, {"": "rowwise"})
     with pytest.raises(ValueError, match="lacks"):
         dtorch.nn.parallelize(mlp(), dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"]),
                               {"0": "colwise"})
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
+def test_a_vocabulary_parallel_embedding_equals_torch(layout, tp2, dp2tp2):
+    """``"rowwise"`` on an ``nn.Embedding`` (DTensor's meaning) splits its rows, the
+    vocabulary, unevenly here (97 rows on 2): each device looks up what its block holds, and
+    the sum of the blocks' rows and zeros is torch's lookup bit for bit; the gradient lands in
+    the owners' rows (none in the padding row), as torch's."""
+    mesh = tp2 if layout == "tp2" else dp2tp2
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(97, 8, padding_idx=3)
+    emb = dtorch.nn.parallelize(copy.deepcopy(ref), mesh, {"": "rowwise"})
+    assert emb.weight.placements == [R] * (mesh.ndim - 1) + [S0]
+    ids = torch.tensor([[96, 0, 3, 48], [49, 50, 3, 1], [7, 7, 95, 60]])
+    got = emb(dtorch.from_torch(ids, mesh, [S0, R] if mesh.ndim == 2 else [R]))
+    assert got.placements[-1] == R and torch.equal(got.to_torch(), ref(ids))
+    u = torch.randn(3, 4, 8)
+    (got * dtorch.from_torch(u, mesh)).sum().backward()
+    (ref(ids) * u).sum().backward()
+    assert torch.equal(emb.weight.grad.to_torch(), ref.weight.grad)
+
+
+SP_PLAN = {"model.embed_tokens": dtorch.nn.RowwiseParallel(output_layouts=Shard(1)),
+           "model.layers.*.input_layernorm": dtorch.nn.SequenceParallel(),
+           "model.layers.*.post_attention_layernorm": "sequence",
+           "model.layers.*.self_attn.[qkv]_proj": "colwise",
+           "model.layers.*.self_attn.o_proj": dtorch.nn.RowwiseParallel(output_layouts=Shard(1)),
+           "model.layers.*.mlp.[gu][ap]*_proj": "colwise",
+           "model.layers.*.mlp.down_proj": dtorch.nn.RowwiseParallel(output_layouts=Shard(1)),
+           "model.norm": dtorch.nn.SequenceParallel(),
+           "lm_head": dtorch.nn.ColwiseParallel(output_layouts=Replicate())}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
+def test_hf_llama_with_sequence_parallelism_equals_hf(layout, hf_llama, tp2, dp2tp2):
+    """torchtitan's plan for Llama: a vocabulary-parallel embedding, sequence-parallel norms,
+    the attention's and MLP's outputs reduce-scattered along the sequence (9 tokens on 2: an
+    uneven split), so the residual stream between layers stays sharded on tp; logits and HF's
+    loss's gradients equal HF's."""
+    mesh = tp2 if layout == "tp2" else dp2tp2
+    ref, model = copy.deepcopy(hf_llama).train(), copy.deepcopy(hf_llama).train()
+    dtorch.nn.parallelize(model, mesh, SP_PLAN)
+    between = []
+    model.model.layers[0].register_forward_hook(lambda m, a, out: between.append(
+        (out[0] if isinstance(out, tuple) else out).placements))
+    x = ids(9)
+    d = dtorch.from_torch(x, mesh, [S0, R] if mesh.ndim == 2 else [R])
+    out = model(d, labels=d, use_cache=False)
+    want = ref(x, labels=x, use_cache=False)
+    assert between[0][-1] == Shard(1)
+    torch.testing.assert_close(out.logits.to_torch(), want.logits, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_tied_weights_stay_one_tensor(tp2):

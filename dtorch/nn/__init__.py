@@ -12,7 +12,8 @@ from .fsdp import fully_shard  # noqa: F401
 from .init import init_empty  # noqa: F401
 from .modules import *  # noqa: F401,F403
 from .modules import Identity, Module, ModuleDict, ModuleList, Sequential  # noqa: F401
-from .parallelize import parallelize  # noqa: F401
+from .parallelize import (ColwiseParallel, RowwiseParallel, SequenceParallel,  # noqa: F401
+                          parallelize)
 from .parameter import Buffer, Parameter  # noqa: F401
 from .pipeline import pipeline  # noqa: F401
 from .schedules import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B  # noqa: F401

@@ -4,16 +4,28 @@ Every parameter and buffer of ``module`` becomes a dtorch tensor on ``mesh`` in 
 module stays a torch module: its ``forward`` runs unchanged, and torch's functions on the dtorch
 tensors it now holds run dtorch's operators: ``client/overrides.py``). The layout of each is
 the plan's, by the qualified name of the module that holds it (``fnmatch`` patterns, first
-match wins; DTensor's ``parallelize_module`` styles):
+match wins; DTensor's ``parallelize_module`` styles, as objects or by name):
 
-- ``"colwise"``: an ``nn.Linear``'s output features split on the tp dim: weight ``Shard(0)``,
-  bias ``Shard(0)``; its input is made Replicate there first, its output stays sharded on the
-  last dim. An ``nn.Embedding``'s columns (``Shard(1)``), its output made Replicate.
-- ``"rowwise"``: an ``nn.Linear``'s input features split: weight ``Shard(1)``, bias
-  Replicate; its input is made ``Shard(-1)`` there first, its output (a Partial sum) reduced to
-  Replicate.
+- ``ColwiseParallel()`` or ``"colwise"``: an ``nn.Linear``'s output features split on the tp
+  dim: weight ``Shard(0)``, bias ``Shard(0)``; its input is made Replicate there first, its
+  output stays sharded on the last dim. An ``nn.Embedding``'s columns (``Shard(1)``), its
+  output made Replicate.
+- ``RowwiseParallel()`` or ``"rowwise"``: an ``nn.Linear``'s input features split: weight
+  ``Shard(1)``, bias Replicate; its input is made ``Shard(-1)`` there first, its output (a
+  Partial sum) reduced to Replicate. An ``nn.Embedding``'s rows, the vocabulary
+  (``Shard(0)``): each device looks up the indices its block holds
+  (``vocab_parallel_embedding``), the Partial sum reduced to Replicate.
+- ``SequenceParallel()`` or ``"sequence"``: any module (a norm), its parameters Replicate, its
+  input made ``Shard(1)`` (``sequence_dim``) on the tp dim, so it runs on its share of the
+  sequence.
 - ``"replicate"`` and everything the plan does not name: Replicate on every mesh dim, so a
   mesh's ``dp`` dim is data parallelism by the batch's placement alone.
+
+``output_layouts=`` lays a colwise or rowwise module's output out otherwise on the tp dim:
+``RowwiseParallel(output_layouts=Shard(1))`` reduce-scatters along the sequence where Megatron's
+sequence parallelism keeps the residual stream sharded, ``ColwiseParallel(output_layouts=
+Replicate())`` gathers an LM head's vocabulary. ``input_layouts`` is taken and not needed:
+an input is a dtorch tensor, whose layout is its own.
 
 The tp dim is the mesh's ``"tp"`` (``tp_dim=`` names another). Values are copied from the
 module's torch tensors, each device receiving its block; a module built on torch's meta
@@ -41,6 +53,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -51,31 +64,54 @@ from ..mesh import DeviceMesh
 from ..ops.random_fill import init_empty
 from ..placement import Replicate, Shard
 from ..tensor import Tensor
+from . import functional
 from .parameter import Buffer, Parameter
 
-STYLES = ("colwise", "rowwise", "replicate")
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """DTensor's style of that name (see the module doc)."""
+
+    input_layouts: object = None
+    output_layouts: object = None  # on the tp dim; None: a Linear's Shard(-1), an Embedding's R
+    use_local_output: bool = True  # (DTensor's: dtorch's outputs are dtorch tensors anyway)
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """DTensor's style of that name (see the module doc)."""
+
+    input_layouts: object = None
+    output_layouts: object = None  # on the tp dim; None: Replicate
+    use_local_output: bool = True
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """DTensor's style of that name (see the module doc)."""
+
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+
+STYLES = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+          "sequence": SequenceParallel(), "replicate": None}
 
 
 def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = None, *,
                 tp_dim: str = "tp") -> torch.nn.Module:
     """Lays ``module``'s parameters and buffers out on ``mesh`` in place, as ``plan`` says
     (see the module doc); returns ``module``."""
-    plan = dict(plan or {})
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; the styles are "
-                             f"{STYLES}")
+    plan = {pattern: _style(pattern, style) for pattern, style in (plan or {}).items()}
     tp = mesh.dim_name_index(tp_dim) if mesh.has_dim_name(tp_dim) else None
-    if tp is None and any(s != "replicate" for s in plan.values()):
+    if tp is None and any(s is not None for s in plan.values()):
         raise ValueError(f"parallelize: the plan shards on {tp_dim!r}, which the mesh "
                          f"{mesh!r} lacks; name the tp dim with tp_dim=")
     made: dict = {}  # id of a torch tensor -> (its dtorch tensor, where): tied ones stay tied
     for name, sub in module.named_modules():
-        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate")
-        kinds = (torch.nn.Linear, torch.nn.Embedding) if style == "colwise" else torch.nn.Linear
-        if style != "replicate" and not isinstance(sub, kinds):
-            raise ValueError(f"parallelize: {name!r} is a {type(sub).__name__}; 'colwise' lays "
-                             f"out an nn.Linear or an nn.Embedding, 'rowwise' an nn.Linear")
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        _check_fits(name, sub, style)
         for pname, p in list(sub._parameters.items()):
             if p is not None and not isinstance(p, Tensor):
                 placements = _placements(sub, pname, style, mesh, tp)
@@ -87,10 +123,32 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
                 placements = [Replicate()] * mesh.ndim
                 sub._buffers[bname] = _once(made, b, f"{name}.{bname}", placements, lambda: (
                     Buffer(_laid_out(b, mesh, placements), persistent=persistent)))
-        if style != "replicate":
+        if style is not None:
             _hook(sub, style, tp)
     _checkpointing(module)
     return module
+
+
+def _style(pattern: str, style):
+    """A plan entry's style object (None: replicate)."""
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]
+    if isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+        return style
+    raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; the styles are "
+                     f"{tuple(STYLES)} or ColwiseParallel(), RowwiseParallel(), "
+                     f"SequenceParallel()")
+
+
+def _check_fits(name: str, sub, style) -> None:
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
+            sub, (torch.nn.Linear, torch.nn.Embedding)):
+        raise ValueError(f"parallelize: {name!r} is a {type(sub).__name__}; 'colwise' and "
+                         f"'rowwise' lay out an nn.Linear or an nn.Embedding")
+    if isinstance(style, RowwiseParallel) and isinstance(sub, torch.nn.Embedding) and (
+            sub.max_norm is not None or sub.sparse):
+        raise ValueError(f"parallelize: {name!r}: a vocabulary-parallel embedding takes no "
+                         f"max_norm and no sparse gradients")
 
 
 def _checkpointing(module) -> None:
@@ -133,12 +191,13 @@ def _once(made: dict, t: torch.Tensor, where: str, placements: list, lay_out):
     return laid
 
 
-def _placements(sub, pname: str, style: str, mesh, tp) -> list:
+def _placements(sub, pname: str, style, mesh, tp) -> list:
     placements = [Replicate()] * mesh.ndim
-    if style == "colwise":
-        placements[tp] = Shard(1 if isinstance(sub, torch.nn.Embedding) else 0)
-    elif style == "rowwise" and pname == "weight":
-        placements[tp] = Shard(1)
+    embedding = isinstance(sub, torch.nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        placements[tp] = Shard(1 if embedding else 0)
+    elif isinstance(style, RowwiseParallel) and pname == "weight":
+        placements[tp] = Shard(0 if embedding else 1)
     return placements
 
 
@@ -152,19 +211,31 @@ def _laid_out(t: torch.Tensor, mesh, placements) -> Tensor:
     return dtorch.from_torch(t.detach(), mesh, placements)
 
 
-def _hook(sub, style: str, tp: int) -> None:
-    """The input (and, rowwise, the output) laid out as the style takes them on the tp dim."""
-    def whole(x):
-        return _on_tp(x, tp, Replicate())
-
-    if style == "colwise" and isinstance(sub, torch.nn.Linear):
-        sub.register_forward_pre_hook(lambda m, args: (whole(args[0]), *args[1:]))
-    elif style == "colwise":  # an embedding's columns: its output made whole
-        sub.register_forward_hook(lambda m, args, out: whole(out))
-    else:
+def _hook(sub, style, tp: int) -> None:
+    """The input and output laid out as the style takes and gives them on the tp dim (and a
+    vocabulary-parallel embedding's lookup)."""
+    if isinstance(style, SequenceParallel):
+        sub.register_forward_pre_hook(lambda m, args: (
+            _on_tp(args[0], tp, Shard(style.sequence_dim % args[0].ndim)), *args[1:]))
+        return
+    embedding = isinstance(sub, torch.nn.Embedding)
+    if isinstance(style, ColwiseParallel) and not embedding:
+        sub.register_forward_pre_hook(lambda m, args: (_on_tp(args[0], tp, Replicate()),
+                                                       *args[1:]))
+    elif isinstance(style, RowwiseParallel) and not embedding:
         sub.register_forward_pre_hook(
             lambda m, args: (_on_tp(args[0], tp, Shard(args[0].ndim - 1)), *args[1:]))
-        sub.register_forward_hook(lambda m, args, out: whole(out))
+    elif isinstance(style, RowwiseParallel):  # each device looks up its own rows
+        sub.forward = functools.partial(_vocab_lookup, sub)
+    out = style.output_layouts
+    if out is None and (embedding or isinstance(style, RowwiseParallel)):
+        out = Replicate()
+    if out is not None:
+        sub.register_forward_hook(lambda m, args, y: _on_tp(y, tp, out))
+
+
+def _vocab_lookup(sub, input):
+    return functional.vocab_parallel_embedding(input, sub.weight, sub.padding_idx)
 
 
 def _on_tp(x, tp: int, placement):

@@ -51,14 +51,18 @@ def _vocab_embedding(ctx, input, weight, padding_idx=None):
         # torch's own error (a CUDA check would stall the stream: there, such an index gives
         # a zero row)
         raise IndexError(f"index out of range in self: the indices must be in [0, {vocab})")
+    if padding_idx is not None:  # torch's: a negative one counts from the end
+        padding_idx %= vocab
     if rows == vocab:
-        return F.embedding(input, weight)
+        return F.embedding(input, weight, padding_idx)
     out_shape = (*input.shape, weight.shape[1])
     if rows == 0:  # more devices than rows: an empty block holds no index
         return weight.new_zeros(out_shape)
     local = input - first
     inside = (local >= 0) & (local < rows)
-    found = F.embedding(torch.where(inside, local, 0), weight)
+    padding = padding_idx - first if padding_idx is not None and 0 <= padding_idx - first < rows \
+        else None  # the padding row, where this block holds it
+    found = F.embedding(torch.where(inside, local, 0), weight, padding)
     return found.masked_fill(~inside.unsqueeze(-1), 0)
 
 
