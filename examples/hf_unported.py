@@ -4,11 +4,14 @@ Needs transformers: ``pip install -e ".[llama]"``.
 
     python examples/hf_unported.py                 # tp2
     python examples/hf_unported.py --dp 2 --tp 2   # 4 devices
+    python examples/hf_unported.py --sp            # torchtitan's sequence-parallel plan
 
 ``dtorch.nn.parallelize`` turns the parameters of HF's own ``LlamaForCausalLM`` (a
 ``torch.nn.Module``, not dtorch's port) into dtorch tensors laid out by a plan: attention and
 MLP projections column- and row-parallel on "tp", the rest replicated (data parallel on "dp"
-through the batch's placement). HF's forward then runs unchanged: torch's functions on dtorch
+through the batch's placement); with ``--sp``, torchtitan's plan in DTensor's style objects: a
+vocabulary-parallel embedding, sequence-parallel norms, and the residual stream sharded along
+the sequence between layers. HF's forward then runs unchanged: torch's functions on dtorch
 tensors run dtorch's operators. The logits are compared with HF's own on the same weights, and
 a few AdamW steps with HF's loss (``labels=``) train it.
 """
@@ -25,6 +28,15 @@ PLAN = {"model.layers.*.self_attn.[qkv]_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise",
         "model.layers.*.mlp.[gu][ap]*_proj": "colwise",  # gate_proj, up_proj
         "model.layers.*.mlp.down_proj": "rowwise"}
+SEQUENCE = dtorch.Shard(1)  # the residual stream's layout on tp between layers, with --sp
+SP_PLAN = {"model.embed_tokens": dtorch.nn.RowwiseParallel(output_layouts=SEQUENCE),
+           "model.layers.*.*_layernorm": dtorch.nn.SequenceParallel(),
+           "model.layers.*.self_attn.[qkv]_proj": dtorch.nn.ColwiseParallel(),
+           "model.layers.*.self_attn.o_proj": dtorch.nn.RowwiseParallel(output_layouts=SEQUENCE),
+           "model.layers.*.mlp.[gu][ap]*_proj": dtorch.nn.ColwiseParallel(),
+           "model.layers.*.mlp.down_proj": dtorch.nn.RowwiseParallel(output_layouts=SEQUENCE),
+           "model.norm": dtorch.nn.SequenceParallel(),
+           "lm_head": dtorch.nn.ColwiseParallel(output_layouts=dtorch.Replicate())}
 
 
 def main() -> None:
@@ -32,6 +44,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
     args = parser.parse_args()
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -40,7 +53,7 @@ def main() -> None:
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config)
     model = dtorch.nn.parallelize(copy.deepcopy(hf), dtorch.init_device_mesh(
-        "cpu", (args.dp, args.tp), mesh_dim_names=["dp", "tp"]), PLAN)
+        "cpu", (args.dp, args.tp), mesh_dim_names=["dp", "tp"]), SP_PLAN if args.sp else PLAN)
     mesh = model.model.embed_tokens.weight.device_mesh
     print("q_proj:", model.model.layers[0].self_attn.q_proj.weight.placements,
           "o_proj:", model.model.layers[0].self_attn.o_proj.weight.placements)
