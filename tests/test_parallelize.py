@@ -152,7 +152,8 @@ def test_hf_gradient_checkpointing_recomputes_with_hfs_gradients(reentrant, enab
 def test_a_meta_built_model_gets_layouts_without_values(hf_llama, tp2):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(llama_config())
-    dtorch.nn.parallelize(model, tp2, LLAMA_PLAN)
+    with pytest.warns(UserWarning, match="non-persistent"):
+        dtorch.nn.parallelize(model, tp2, LLAMA_PLAN)
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.placements == [S0]
     with pytest.raises(RuntimeError, match="no value"):
@@ -160,6 +161,31 @@ def test_a_meta_built_model_gets_layouts_without_values(hf_llama, tp2):
     model.load_state_dict(hf_llama.state_dict())
     torch.testing.assert_close(q.to_torch(), hf_llama.model.layers[0].self_attn.q_proj.weight
                                .detach())
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
+def test_a_meta_built_model_loads_a_checkpoint_in_its_layouts(layout, hf_llama, tp2, dp2tp2,
+                                                              tmp_path):
+    """HF's model built on torch's meta device, parallelized (torchtitan's sequence-parallel
+    plan) and filled by ``load_checkpoint`` from HF's own ``save_pretrained`` files, each host
+    reading its blocks; the rotary frequencies, a non-persistent buffer no checkpoint holds,
+    are named by a warning and copied in: logits equal HF's."""
+    mesh = tp2 if layout == "tp2" else dp2tp2
+    hf_llama.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama_config()).eval()
+    with pytest.warns(UserWarning, match=r"rotary_emb\.inv_freq, model\.rotary_emb\.original_"
+                                         r"inv_freq are non-persistent"):
+        dtorch.nn.parallelize(model, mesh, SP_PLAN)
+    dtorch.load_checkpoint(model, tmp_path)
+    for name in ("inv_freq", "original_inv_freq"):
+        getattr(model.model.rotary_emb, name).copy_(getattr(hf_llama.model.rotary_emb, name))
+    x = ids(7)
+    with torch.no_grad():
+        got = model(dtorch.from_torch(x, mesh, [S0, R] if mesh.ndim == 2 else [R]),
+                    use_cache=False).logits
+        want = hf_llama.eval()(x, use_cache=False).logits
+    torch.testing.assert_close(got.to_torch(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_plans_that_cannot_be_laid_out_raise(tp2):

@@ -30,7 +30,8 @@ an input is a dtorch tensor, whose layout is its own.
 The tp dim is the mesh's ``"tp"`` (``tp_dim=`` names another). Values are copied from the
 module's torch tensors, each device receiving its block; a module built on torch's meta
 device (no values) gets its layouts without values (``dtorch.nn.init_empty``'s) for
-``load_checkpoint`` to fill.
+``load_checkpoint`` to fill; its non-persistent buffers, which no checkpoint holds (a rotary
+embedding's frequencies), are named in a warning, to be given their values with ``copy_``.
 
 HF's gradient checkpointing (``gradient_checkpointing_enable``, before or after) recomputes
 through ``dtorch.nn.checkpoint``, with the arguments HF gives torch's (``_checkpointing``).
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +111,7 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
         raise ValueError(f"parallelize: the plan shards on {tp_dim!r}, which the mesh "
                          f"{mesh!r} lacks; name the tp dim with tp_dim=")
     made: dict = {}  # id of a torch tensor -> (its dtorch tensor, where): tied ones stay tied
+    unloadable: list = []  # non-persistent buffers without values: no checkpoint holds them
     for name, sub in module.named_modules():
         style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
         _check_fits(name, sub, style)
@@ -120,11 +123,18 @@ def parallelize(module: torch.nn.Module, mesh: DeviceMesh, plan: dict | None = N
         for bname, b in list(sub._buffers.items()):
             if b is not None and not isinstance(b, Tensor):
                 persistent = bname not in sub._non_persistent_buffers_set
+                if b.is_meta and not persistent:
+                    unloadable.append(f"{name}.{bname}".lstrip("."))
                 placements = [Replicate()] * mesh.ndim
                 sub._buffers[bname] = _once(made, b, f"{name}.{bname}", placements, lambda: (
                     Buffer(_laid_out(b, mesh, placements), persistent=persistent)))
         if style is not None:
             _hook(sub, style, tp)
+    if unloadable:
+        warnings.warn(f"parallelize: {', '.join(unloadable)} are non-persistent buffers on "
+                      f"torch's meta device: no checkpoint holds them, so they have no values "
+                      f"until given some (copy_ a value computed on a real device into each)",
+                      stacklevel=2)
     _checkpointing(module)
     return module
 
