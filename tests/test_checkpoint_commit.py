@@ -377,7 +377,9 @@ def test_an_async_save_writes_on_streams_of_its_own(tmp_path):
         dtorch.sync()
     events = [e for e in prof.kernels() if e["pid"] == 0]
     streams = {n: {e["tid"] for e in events if n in e["name"].split("+")}
-               for n in ("write_safetensors", "matmul", "copy_")}
+               for n in ("write_safetensors", "matmul", "copy_", "step:chunk")}
     assert streams["write_safetensors"] and streams["matmul"]
-    assert streams["write_safetensors"] == streams["copy_"]
+    # the copies: copy_ of the sharded tensors, the chunk of the replicated one ("c", which
+    # its devices write a share each of), with the writes, on the checkpoint's stream only
+    assert streams["write_safetensors"] == streams["copy_"] == streams["step:chunk"]
     assert not streams["write_safetensors"] & streams["matmul"]

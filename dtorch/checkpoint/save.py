@@ -27,6 +27,7 @@ import threading
 import msgpack
 import torch
 
+from ..client import dispatch
 from ..placement import Partial, Replicate, Shard, local_region, plain
 from ..tensor import Tensor
 from . import commit, index
@@ -172,9 +173,10 @@ def _as_written(t: Tensor, snapshot: bool) -> Tensor:
     if not _snapshots:
         _snapshots.append(dtorch.Graph())
     graph = _snapshots[0]
-    if placements != list(t.placements):
-        with graph:
-            return t.redistribute(placements=placements)
+    # the copy is made on the snapshots' graph: its kernels, and the writes that read it, run
+    # on that graph's streams, never queued on the program's
+    if placements != list(t.placements):  # the redistribute's result is that copy
+        return dispatch.redistribute(t, placements=placements, graph=graph)
     copy = dtorch.empty_like(t, graph=graph)
     with graph:
         return copy.copy_(t)

@@ -370,9 +370,11 @@ def bind_accumulated(s, src, dst, dtype: torch.dtype) -> Bound:
                  post=(Bound(cast_id, (final,), (True,), op=cast, define=define),))
 
 
-def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
+def redistribute(t: Tensor, device_mesh=None, placements=None, graph=None) -> Tensor:
     """``Tensor.redistribute``: the same value laid out on ``device_mesh`` (default: this
     tensor's) with ``placements`` (default: all Replicate). Unchanged layout returns ``t``.
+    ``graph``: the graph it runs on and its result belongs to (default: ``t``'s; an async
+    checkpoint's snapshot takes its copy on a graph of its own).
 
     >>> import dtorch
     >>> mesh = dtorch.DeviceMesh("cpu", [0, 1])
@@ -392,4 +394,4 @@ def redistribute(t: Tensor, device_mesh=None, placements=None) -> Tensor:
         return t
     s = _session.current()
     b = bind_redistribute(s, spec, dst)
-    return issue(s, b, (t,), s.site(), t._graph)
+    return issue(s, b, (t,), s.site(), t._graph if graph is None else graph)
