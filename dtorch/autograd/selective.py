@@ -46,8 +46,9 @@ _warned: set = set()
 
 
 # -- the products' VJPs, in dtorch's operators ----------------------------------------------------
-# Each takes the operands and the output's gradient and returns the operands' gradients (None
-# where not needed), or is None for operands it has no formula for (``applies``).
+# Each takes the output's gradient, which operands need one, and the operands, and returns the
+# operands' gradients (None where not needed); its ``*_applies`` says whether it has a formula
+# for these operands (no broadcast batch dims to sum over, no vector).
 
 
 def _rows(t):
