@@ -124,8 +124,9 @@ LAYERS = {
     "dtorch.profiler": {"dtorch.cuda", "dtorch.current", "dtorch.protocol"},
     "dtorch.nn": WIRE | {"dtorch", "dtorch.autograd", "dtorch.checkpoint.kernels", "dtorch.ops",
                          "dtorch.tensor"},
-    "dtorch.checkpoint": WIRE | {"dtorch", "dtorch.checkpoint.kernels", "dtorch.nn",
-                                 "dtorch.tensor"},
+    # (the client: an async save's snapshot copy is a redistribute on a graph of its own)
+    "dtorch.checkpoint": WIRE | {"dtorch", "dtorch.checkpoint.kernels", "dtorch.client",
+                                 "dtorch.nn", "dtorch.tensor"},
     "dtorch.optim": WIRE | {"dtorch", "dtorch.buckets", "dtorch.nn", "dtorch.optim.kernels",
                             "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},

@@ -228,12 +228,15 @@ def test_reset_parameters_draws_like_torch(tp4):
     """torch's bounds (1 / sqrt(in_features)); every device draws its own block of one
     tensor; the row bias is held once (its value stays within the bound)."""
     bound = 1 / math.sqrt(IN)
+    torch.manual_seed(0)  # (the draws follow torch's generator: not the earlier tests' state)
     for cls in (nn.ColumnParallelLinear, nn.RowParallelLinear, nn.Linear):
         layer = cls(IN, 40, device_mesh=tp4)
         w, b = layer.weight.to_torch(), layer.bias.to_torch()
         assert w.abs().max() <= bound and b.abs().max() <= bound
         assert w.std() > bound / 3 and b.std() > bound / 10
-        assert len(set(w.flatten().tolist())) == w.numel()  # no block repeats another
+        # no block repeats another: that would repeat a block's 60 values, where 240 float32
+        # draws share one by chance about once in 300 layers
+        assert len(set(w.flatten().tolist())) >= w.numel() - 2
     emb = nn.VocabParallelEmbedding(13, 40, padding_idx=5, device_mesh=tp4)
     w = emb.weight.to_torch()
     assert torch.equal(w[5], torch.zeros(40)) and 0.7 < w.std() < 1.3
