@@ -269,3 +269,35 @@ def test_every_product_with_a_formula_is_bit_identical(product, one, monkeypatch
     batched = product in ("matmul-batched", "bmm")
     assert (torch.ops.aten.bmm.default if batched else MM) in asked
     assert taken == [{"matmul-3d-2d": "matmul", "matmul-batched": "matmul"}.get(product, product)]
+
+
+def test_a_region_holds_its_kept_products_and_nothing_else(one):
+    """What a selective region keeps between forward and backward, in the device's own
+    figures: exactly the outputs of the products the policy keeps, beside what a whole
+    checkpoint holds (its output; the input was there before)."""
+    import gc
+
+    torch.manual_seed(0)
+    up, down = (dtorch.nn.Linear(32, 256, device_mesh=one),
+                dtorch.nn.Linear(256, 32, device_mesh=one))
+
+    def f(t):
+        return down(F.gelu(up(t)))
+
+    x = dtorch.from_torch(torch.randn(64, 32), one).requires_grad_()
+    keep_up = functools.partial(create_selective_checkpoint_contexts, lambda ctx, op, *args: (
+        CheckpointPolicy.MUST_SAVE if op is ADDMM and args[1] is up.weight
+        else CheckpointPolicy.PREFER_RECOMPUTE))
+
+    def held(run) -> int:
+        gc.collect()
+        before = dtorch.default_graph.get_memory_stats(one).find(0).memory_allocated
+        y = run()
+        after = dtorch.default_graph.get_memory_stats(one).find(0).memory_allocated
+        y.sum().backward()  # (the kept output is taken, and freed, by the recompute)
+        return after - before
+
+    whole = held(lambda: dtorch.nn.checkpoint(f, x))
+    selective = held(lambda: dtorch.nn.checkpoint(f, x, context_fn=keep_up))
+    assert whole == 64 * 32 * 4  # the output
+    assert selective - whole == 64 * 256 * 4  # up's output, float32
