@@ -3,14 +3,17 @@ transformers' Llama, their parameters laid out by a plan, run and trained unchan
 themselves on torch."""
 
 import copy
+import functools
 
 import pytest
 import torch
 import transformers
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import dtorch
-from dtorch.autograd import checkpoint as checkpointing
 from dtorch import Replicate, Shard
+from dtorch.autograd import checkpoint as checkpointing
+from dtorch.autograd import selective
 
 R, S0 = Replicate(), Shard(0)
 LLAMA_PLAN = {"model.layers.*.self_attn.[qkv]_proj": "colwise",
@@ -120,20 +123,27 @@ def test_hf_llama_unported_trains_as_hf(hf_llama, dp2tp2):
         torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("reentrant", [True, False, "selective"])
 @pytest.mark.parametrize("enabled", ["before", "after"])
 def test_hf_gradient_checkpointing_recomputes_with_hfs_gradients(reentrant, enabled, hf_llama,
                                                                   dp2tp2, monkeypatch):
     """HF's gradient checkpointing, reentrant or not, switched on before or after
     ``parallelize``, recomputes each layer through ``dtorch.nn.checkpoint`` (torch's own would
     give the reentrant form no gradients and keep everything in the other) and gives the
-    gradients HF's model gets from torch's checkpoint."""
-    recomputed = []
+    gradients HF's model gets from torch's checkpoint; with torchtitan's selective policy
+    (HF's ``context_fn``), each layer's 7 projections are taken from the forward."""
+    recomputed, taken = [], []
     real = checkpointing._recompute
     monkeypatch.setattr(checkpointing, "_recompute",
                         lambda *a: recomputed.append(a[0]) or real(*a))
+    substitute = selective.Region._substitute
+    monkeypatch.setattr(selective.Region, "_substitute",
+                        lambda self, b, *a: taken.append(b.op.name) or substitute(self, b, *a))
     ref, model = copy.deepcopy(hf_llama).train(), copy.deepcopy(hf_llama).train()
     kwargs = {"use_reentrant": reentrant}
+    if reentrant == "selective":
+        kwargs = {"use_reentrant": False, "context_fn": functools.partial(
+            create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])}
     for m in (ref, model) if enabled == "before" else (ref,):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     dtorch.nn.parallelize(model, dp2tp2, LLAMA_PLAN)
@@ -144,6 +154,8 @@ def test_hf_gradient_checkpointing_recomputes_with_hfs_gradients(reentrant, enab
     model(d, labels=d, use_cache=False).loss.backward()
     ref(x, labels=x, use_cache=False).loss.backward()
     assert len(recomputed) == hf_llama.config.num_hidden_layers
+    layers = hf_llama.config.num_hidden_layers
+    assert taken == (["linear"] * 7 * layers if reentrant == "selective" else [])
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5)
