@@ -4,12 +4,12 @@ Needs transformers: ``pip install -e ".[llama]"``.
 
     python examples/hf_unported.py                 # tp2
     python examples/hf_unported.py --dp 2 --tp 2   # 4 devices
-    python examples/hf_unported.py --sp            # torchtitan's sequence-parallel plan
+    python examples/hf_unported.py --sp            # torchtitan's sequence-parallel layout
 
 ``dtorch.nn.parallelize`` turns the parameters of HF's own ``LlamaForCausalLM`` (a
 ``torch.nn.Module``, not dtorch's port) into dtorch tensors laid out by a plan: attention and
 MLP projections column- and row-parallel on "tp", the rest replicated (data parallel on "dp"
-through the batch's placement); with ``--sp``, torchtitan's plan in DTensor's style objects: a
+through the batch's placement); with ``--sp``, torchtitan's layout in DTensor's style objects: a
 vocabulary-parallel embedding, sequence-parallel norms, and the residual stream sharded along
 the sequence between layers. HF's forward then runs unchanged: torch's functions on dtorch
 tensors run dtorch's operators. The logits are compared with HF's own on the same weights, and

@@ -247,7 +247,7 @@ SP_PLAN = {"model.embed_tokens": dtorch.nn.RowwiseParallel(output_layouts=Shard(
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2xtp2"])
 def test_hf_llama_with_sequence_parallelism_equals_hf(layout, hf_llama, tp2, dp2tp2):
-    """torchtitan's plan for Llama: a vocabulary-parallel embedding, sequence-parallel norms,
+    """torchtitan's layout of a Llama: a vocabulary-parallel embedding, sequence-parallel norms,
     the attention's and MLP's outputs reduce-scattered along the sequence (9 tokens on 2: an
     uneven split), so the residual stream between layers stays sharded on tp; logits and HF's
     loss's gradients equal HF's."""
