@@ -11,12 +11,10 @@ import warnings
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from transformers import LlamaConfig
 
 import dtorch
 from dtorch.autograd import selective
-from dtorch.models.llama import LlamaForCausalLM
-from test_activation_checkpoint import Block, make, run
+from test_activation_checkpoint import Block, llama_training_equals_plain, make, run
 
 F = dtorch.nn.functional
 MM, ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
@@ -171,44 +169,17 @@ def test_llama_training_with_selective_checkpointing(layout, one, mesh2, monkeyp
     """HF's switch with HF's ``gradient_checkpointing_kwargs``: torchtitan's policy (keep the
     products) over 3 AdamW steps equals the run without checkpointing, and each recompute
     takes the layer's 7 projections from the forward."""
-    mesh = one if layout == "one" else mesh2
     taken = []
     real = selective.Region._substitute
     monkeypatch.setattr(selective.Region, "_substitute",
                         lambda self, b, *a: taken.append(b.op.name) or real(self, b, *a))
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)
-    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
-    runs = []
     torchtitans = functools.partial(create_selective_checkpoint_contexts, [MM])  # no biases
-    for kwargs in (None, {"use_reentrant": False, "context_fn": torchtitans}):
-        model = LlamaForCausalLM(config, device_mesh=mesh).train()
-        model.load_state_dict({k: torch.randn(v.shape, generator=torch.Generator().manual_seed(
-            i)) * 0.1 for i, (k, v) in enumerate(model.state_dict().items())})
-        if kwargs is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(3):
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")  # every product it keeps has a formula
-                logits = model(ids)
-                labels = dtorch.from_torch(ids[:, 1:].flatten(), device_mesh=logits.device_mesh)
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        runs.append((losses, [p.to_torch() for p in model.parameters()]))
-    (plain, plain_w), (again, again_w) = runs
-    assert taken == ["linear"] * 7 * config.num_hidden_layers * 3
-    if layout == "one":
-        assert plain == again and all(torch.equal(a, b) for a, b in zip(plain_w, again_w))
-    else:
-        assert again == pytest.approx(plain, rel=1e-5)
-        for a, b in zip(plain_w, again_w):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with warnings.catch_warnings():  # every product it keeps has a formula
+        warnings.filterwarnings("error", message="dtorch.nn.checkpoint")
+        llama_training_equals_plain(one if layout == "one" else mesh2,
+                                    {"use_reentrant": False, "context_fn": torchtitans},
+                                    layout == "one")
+    assert taken == ["linear"] * 7 * 2 * 3  # 2 layers, 3 steps
 
 
 def test_another_threads_calls_stay_out_of_the_region(one):
@@ -269,6 +240,28 @@ def test_every_product_with_a_formula_is_bit_identical(product, one, monkeypatch
     batched = product in ("matmul-batched", "bmm")
     assert (torch.ops.aten.bmm.default if batched else MM) in asked
     assert taken == [{"matmul-3d-2d": "matmul", "matmul-batched": "matmul"}.get(product, product)]
+
+
+def test_a_kept_linear_on_batched_rows_with_a_bias_is_bit_identical(one, monkeypatch):
+    """A linear on a batch of sequences with a bias (the bias's gradient sums over every row,
+    the weight's over the flattened rows), kept as torch shows it (``addmm``): the input's,
+    weight's and bias's gradients bit for bit."""
+    taken = []
+    real = selective.Region._substitute
+    monkeypatch.setattr(selective.Region, "_substitute",
+                        lambda self, b, *a: taken.append(b.op.name) or real(self, b, *a))
+    g = torch.Generator().manual_seed(2)
+    x0, w0, b0 = (torch.randn(s, generator=g) for s in ((3, 4, 8), (5, 8), (5,)))
+    keep = functools.partial(create_selective_checkpoint_contexts, [ADDMM])
+    grads = []
+    for context_fn in (None, keep):
+        x, w, b = (dtorch.from_torch(t, one).requires_grad_() for t in (x0, w0, b0))
+        y = F.linear(x.tanh(), w, b).sigmoid() if context_fn is None else dtorch.nn.checkpoint(
+            lambda u: F.linear(u.tanh(), w, b).sigmoid(), x, context_fn=context_fn)
+        (y * y).sum().backward()
+        grads.append([t.grad.to_torch() for t in (x, w, b)])
+    assert all(torch.equal(p, q) for p, q in zip(*grads))
+    assert taken == ["linear"]
 
 
 def test_a_region_holds_its_kept_products_and_nothing_else(one):

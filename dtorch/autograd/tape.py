@@ -291,28 +291,26 @@ def _zeros(spec):
                         placements=list(spec.placements))
 
 
-class Recomputed:
-    """The ``op`` of a node that stands for a region run without a tape (``checkpoint.py``):
-    ``vjp(grads)`` runs it again with one and returns its inputs' gradients."""
-
-    name = "checkpoint"
-
-    def __init__(self, vjp):
-        self.vjp = vjp
-
-
 class Formula:
-    """The ``op`` of a node whose VJP the client computes in dtorch's operators: a selective
-    checkpoint's kept product (``selective.py``), recorded without running its kernel."""
+    """The ``op`` of a node whose VJP the client computes itself: ``vjp(grads)`` returns the
+    operands' gradients. A selective checkpoint's kept product (``selective.py``), recorded
+    without running its kernel, and a whole checkpointed region (``Recomputed``)."""
 
     def __init__(self, name: str, vjp):
         self.name, self.vjp = name, vjp
 
 
+class Recomputed(Formula):
+    """A region run without a tape (``checkpoint.py``): its VJP runs it again with one."""
+
+    def __init__(self, vjp):
+        super().__init__("checkpoint", vjp)
+
+
 def _vjp(node, grads, retain: bool, s, site: int) -> list:
     """The operands' gradients (None where not needed) from the results' (None: zero), issued
     in session ``s`` at the backward's ``site``; called under ``no_grad``."""
-    if type(node.op) in (Recomputed, Formula):
+    if isinstance(node.op, Formula):
         return node.op.vjp(grads)
     if node.op is None:  # a redistribute: the dual redistribute
         (g,) = grads

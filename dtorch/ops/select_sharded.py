@@ -25,6 +25,9 @@ tensor([[4, 5],
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -96,9 +99,10 @@ def pick(ctx, input, tensors, items, picked, index):
             return torch.zeros(ctx.out_local_shape, dtype=input.dtype, device=input.device)
         items[k] = at
     out = index(input, tensors, items)
-    for d, n, at in flagged:
-        out = out.masked_fill(~_held(input, d, shape[d], tensors, n, at, items, index), 0)
-    return out
+    if not flagged:
+        return out
+    held = [_held(input, d, shape[d], tensors, n, at, items, index) for d, n, at in flagged]
+    return out.masked_fill(~functools.reduce(operator.and_, held), 0)
 
 
 def _held(input, d: int, size: int, tensors, n: int, at, items, index):
