@@ -1,25 +1,30 @@
-"""The CPU a training step costs the client, the controller and the hosts, per step: the
-optimizer's update calls one per parameter (``foreach=False``) against one per group and mesh
-(the default), on the small Llama of ``bench_train.py`` (forward, backward, AdamW).
+"""The CPU a training step costs the client, the controller and the hosts, per step, on the
+small Llama of ``bench_train.py`` (forward, backward, AdamW, a learning-rate scheduler): the
+step run as Python each time, against the same step under ``dtorch.replayed_step`` (its records
+sent again with fresh ids once two calls in a row issued the same ones), and its wall time.
 
-    python benchmarks/bench_step_cpu.py [rounds=5] [mesh=2]
+    python benchmarks/bench_step_cpu.py [rounds=10] [mesh=2]
 
-Each line: CPU ms per step by process (``proccpu.CpuMeter``), then the ratio of the client's
-and of the controller's between the two. Goal (issue 27): the client's and the controller's
-CPU per step fall by >= 5x in all (the update calls are one part; a replayed step the rest).
-Run against another checkout (``PYTHONPATH=/path/to/it``) to compare with it.
+Each line: CPU ms per step by process (``proccpu.CpuMeter``: all of each process's threads),
+the step's median wall time, the records a step's batches bring the controller and the windows
+it replayed; then the ratios. Goal (issue 27): the client's and the controller's CPU per step
+fall by >= 5x. Run against another checkout (``PYTHONPATH=/path/to/it``) to compare with it.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
+import torch
 from bench_train import data, hf_model
 from proccpu import CpuMeter
 
 
-def cpu_per_step(devices: int, rounds: int, **options) -> dict:
-    """CPU seconds per step by role, over ``rounds`` steps after two warm-ups."""
+def cpu_per_step(devices: int, rounds: int, replayed_step: bool) -> dict:
+    """CPU seconds per step by role, over ``rounds`` steps after warm-ups (six: a replayed
+    step learns for four calls), and the median step's wall seconds (``wall``)."""
     import dtorch
     from dtorch.models.llama import LlamaForCausalLM
 
@@ -29,24 +34,36 @@ def cpu_per_step(devices: int, rounds: int, **options) -> dict:
     mesh = dtorch.init_device_mesh("cpu", (devices,), mesh_dim_names=["dp"])
     model = LlamaForCausalLM(hf.config, device_mesh=mesh)
     model.load_state_dict(hf.state_dict())
-    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-3, **options)
+    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k))
+
+    def train(inputs, target):
+        loss = dtorch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    if replayed_step:
+        train = dtorch.replayed_step(train)
 
     def step(k):
         ids, labels = data(k)
         inputs = model.place_tokens(ids)
         target = dtorch.from_torch(labels, device_mesh=inputs.device_mesh,
                                    placements=inputs.placements)
-        loss = dtorch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = train(inputs, target)
+        schedule.step()
         return loss.item()
 
-    step(-2), step(-1)
-    meter = CpuMeter()
+    for k in range(6):
+        step(k - 6)
+    meter, walls = CpuMeter(), []
     meter.start()
     for k in range(rounds):
+        t = time.perf_counter()
         step(k)
+        walls.append(time.perf_counter() - t)
     shares = meter.stop()
     with dtorch.profiler.profile() as prof:  # one more step: what its batches replayed
         step(rounds)
@@ -58,6 +75,9 @@ def cpu_per_step(devices: int, rounds: int, **options) -> dict:
         who = "hosts" if who.startswith("host") else who
         per_step[who] = per_step.get(who, 0.0) + seconds / rounds
     per_step["replay"] = replayed(prof)
+    per_step["wall"] = statistics.median(walls)
+    if replayed_step:
+        assert train.replays >= rounds, "the step did not replay"
     return per_step
 
 
@@ -80,21 +100,25 @@ def line(label: str, shares: dict) -> str:
     parts = ", ".join(f"{k} {shares.get(k, 0.0) * 1e3:7.1f}" for k in
                       ("client", "controller", "hosts"))
     records, windows = shares["replay"]
-    return (f"  {label:28s} {parts}  (ms per step; {records} records a step, "
-            f"{windows} windows replayed)")
+    return (f"  {label:16s} {parts}  (ms per step; step {shares['wall'] * 1e3:6.1f} ms; "
+            f"{records} records a step, {windows} windows replayed)")
 
 
 def main(rounds: int, devices: int) -> None:
-    print(f"CPU per training step, dp{devices} (small Llama, AdamW), {rounds} steps:")
-    before = cpu_per_step(devices, rounds, foreach=False)
-    after = cpu_per_step(devices, rounds)
-    print(line("one update per parameter", before))
-    print(line("one update per group", after))
+    import torch
+
+    print(f"CPU per training step, dp{devices} (small Llama, AdamW), {rounds} steps, "
+          f"{torch.get_num_threads()} torch threads:")
+    before = cpu_per_step(devices, rounds, replayed_step=False)
+    after = cpu_per_step(devices, rounds, replayed_step=True)
+    print(line("Python each step", before))
+    print(line("replayed_step", after))
     for who in ("client", "controller"):
         ratio = before.get(who, 0.0) / max(after.get(who, 0.0), 1e-9)
-        print(f"  {who} CPU per step falls {ratio:5.2f}x  (goal >= 5x with replayed steps)")
+        print(f"  {who} CPU per step falls {ratio:5.2f}x  (goal >= 5x)")
+    print(f"  step time {after['wall'] / before['wall']:5.2f}x")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5, int(sys.argv[2]) if len(sys.argv) > 2
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, int(sys.argv[2]) if len(sys.argv) > 2
          else 2)

@@ -39,6 +39,7 @@ from .ops.random_fill import get_rng_state, set_rng_state
 from .client.user_ops import register_op
 from .ops.extension import local_map
 from .placement import Partial, Placement, Replicate, Shard
+from .step_replay import ReplayedStep, replayed_step
 from .tensor import TYPED, Tensor, get_data_type_tensor
 from . import tensor as _tensor_module
 from .type import OperatorFormat, PaddingType, PoolingKind, SdpaOption

@@ -16,6 +16,7 @@ other streams.
 Client -> controller (a batch of records):
     DefineMesh, DefineSpec, DefineCall   metadata, each sent once before first use
     Op (after a Recorded when autograd records it), release (int), Fetch, Sync, Shutdown
+    DefineStep, Step   a replayed step's records with holes, once; then each replay of it
 Controller -> hosts (a batch): the Define* records, then Kernel (after a Wait when it must wait
     for other streams; a Recorded passes through before it), Chain, release, HostFetch, Sync
 Host -> controller -> client: Value (+ a data frame), FetchFailed, KernelError, Synced, HostReady
@@ -100,6 +101,7 @@ NODE_JOIN, NODE_WELCOME, NODE_READY, NODE_BEAT, NODE_FAILURE, NODE_BYE = range(2
 STORE_REQUEST, STORE_REPLY, CLUSTER_QUERY, CLUSTER_INFO = range(26, 30)
 DEFINE_PROGRAM, REPLAY = 30, 31
 RECORDED = 32
+DEFINE_STEP, STEP = 33, 34
 
 # the first frame of what the main controller sends a node agent: a batch it relays to its
 # hosts without decoding it, or a control record for the agent itself
@@ -182,6 +184,23 @@ class DefineProgram(NamedTuple):
     released: list  # the outside inputs (by number) it releases
 
 
+class DefineStep(NamedTuple):
+    """A replayed step's records with holes (``dtorch.step_replay``), as the client learnt
+    them, sent once; each replay of it is then one Step record. A release among ``entries``
+    is the index of its id in a Step's ids; any other record is ``[fields, holes, dynamic]``:
+    ``holes`` the ``[position, index]`` of each id a replay fills in, ``dynamic`` the
+    positions of the scalars a replay brings (in the order of the records). The controller
+    keeps it (``controller/step_templates.py``); hosts never see it."""
+
+    tag: int
+    id: int
+    n_ids: int
+    entries: list
+
+
+# Step:   (STEP, template, *ids, *dynamic scalars)   client -> controller, alone in its batch
+#         one replay of a DefineStep: its ids (made, the previous replay's made, the
+#         arguments' ids) and the scalars that change (an optimizer's step counts and rate)
 # Replay: (REPLAY, program, *outside ids, *result ids, *scalar values)   controller -> hosts
 #         one window of a DefineProgram's shape, its ids and values bound in order
 # Op:     (OP, call, site, graph, *outs, *operands)   client -> controller

@@ -119,6 +119,8 @@ LAYERS = {
                              "dtorch.launcher", "dtorch.ops", "dtorch.ops.registry",
                              "dtorch.tensor"},
     "dtorch.autograd": WIRE | {"dtorch", "dtorch.buckets", "dtorch.client", "dtorch.tensor"},
+    # steps replayed from their records (the optimizers give it their changing scalars)
+    "dtorch.step_replay": WIRE | {"dtorch.client", "dtorch.tensor"},
     "dtorch.distributed_spec": WIRE | {"dtorch.graph"},
     "dtorch.cuda": {"dtorch.cuda.nvtx_kernels", "dtorch.current", "dtorch.graph"},
     "dtorch.profiler": {"dtorch.cuda", "dtorch.current", "dtorch.protocol"},
@@ -128,7 +130,7 @@ LAYERS = {
     "dtorch.checkpoint": WIRE | {"dtorch", "dtorch.checkpoint.kernels", "dtorch.client",
                                  "dtorch.nn", "dtorch.tensor"},
     "dtorch.optim": WIRE | {"dtorch", "dtorch.buckets", "dtorch.nn", "dtorch.optim.kernels",
-                            "dtorch.tensor"},
+                            "dtorch.step_replay", "dtorch.tensor"},
     "dtorch.amp": {"dtorch.nn", "dtorch.tensor"},
     # training that survives lost devices: snapshots through checkpoints, a new mesh, again
     "dtorch.elastic": WIRE | {"dtorch", "dtorch.checkpoint", "dtorch.optim", "dtorch.profiler",

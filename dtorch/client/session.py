@@ -106,6 +106,8 @@ def release_id(tensor_id: int) -> None:
         if not records:
             s.wake()
         records.append(tensor_id)
+        if s.watch is not None:
+            s.watch(tensor_id)
 
 
 def install_recorder(recorder) -> None:
@@ -181,6 +183,10 @@ class Session(Receiving):
         self.spec_ids: dict = {}
         self.mesh_ids: dict = {}
         self.call_defs: list = []  # (call's name, how many results) per call template
+        self.id_operands: list = []  # per call template: the operands that are ids (tensors,
+        # and a VJP's key, which travels as a value)
+        # a replayed step learning (``step_replay``): sees every record appended, None otherwise
+        self.watch = None
         # autograd's tape once a tensor requires grad (``install_recorder``): the hot path's
         # one test (``dispatch``), None while nothing is recorded
         self.recorder = _recorder
@@ -226,6 +232,8 @@ class Session(Receiving):
             # read once a batch, in the user's thread: a knob read costs a call
             self.flush_at, self.inflight_bound = config.flush_records, config.max_inflight_ops
         records.append(record)
+        if self.watch is not None:
+            self.watch(record)
         if len(records) >= self.flush_at:
             self.flush()
 
@@ -242,9 +250,10 @@ class Session(Receiving):
         with self._flush_lock:
             self._flush_locked(block)
 
-    def _flush_locked(self, block: bool) -> None:
+    def _flush_locked(self, block: bool, made: list | None = None) -> None:
+        """The flush (under its lock) of the buffered records, or of the batch ``made``."""
         records, marks = self.records, self.marks
-        n = len(records)
+        n = len(records) if made is None else len(made)
         if not n or self.stopping:
             return
         while marks and marks[0].done():
@@ -261,7 +270,7 @@ class Session(Receiving):
             # read before the records are taken: a record appended after that starts the
             # next batch
             started, flushed = self.batch_started, time.time_ns() if spans is not None else 0
-            batch = [records.popleft() for _ in range(n)]
+            batch = [records.popleft() for _ in range(n)] if made is None else made
             if records and flushed:  # appended meanwhile: the next batch began about now
                 self.batch_started = flushed
             try:
@@ -275,6 +284,13 @@ class Session(Receiving):
         self.unmarked += n
         if self.unmarked * MARKS >= self.inflight_bound:
             self._mark()
+
+    def send_batch(self, batch: list) -> None:
+        """Sends ``batch`` (records made at once: a replayed step's) as one frame, after what
+        is buffered."""
+        with self._flush_lock:
+            self._flush_locked(True)
+            self._flush_locked(True, batch)
 
     def _take_unsendable(self, batch: list) -> list:
         """The records of ``batch`` that serialize; each other one becomes an error raised at
@@ -374,6 +390,8 @@ class Session(Receiving):
             self.append(P.DefineCall(P.DEFINE_CALL, call_id, target, inputs, outputs, blob,
                                      P.wire_bits(flags), kind))
             self.call_defs.append((P.call_name(kind, target), len(outputs)))
+            self.id_operands.append(tuple(k for k, i in enumerate(inputs)
+                                          if i or (k == 0 and kind == P.CallKind.VJP)))
         return call_id
 
     def spec_id(self, spec) -> int:

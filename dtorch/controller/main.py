@@ -42,6 +42,7 @@ from .dot import to_dot
 from .logical_graph import LogicalGraph, Operator
 from .passes import Chain, run_passes
 from .replay import Replayer
+from .step_templates import StepTemplate
 from .reports import DEATH_GRACE_S, Reports, collective_names
 
 
@@ -58,10 +59,10 @@ class Batch:
     """A client batch as the intake takes it in: the records for the passes (``nodes``), the
     definitions every host gets first, and the request a Trace off answers (``stop``)."""
 
-    __slots__ = ("definitions", "nodes", "stop")
+    __slots__ = ("definitions", "nodes", "step", "stop")
 
     def __init__(self):
-        self.nodes, self.definitions, self.stop = [], [], None
+        self.nodes, self.definitions, self.stop, self.step = [], [], None, None
 
 
 class LostBatch(Exception):
@@ -108,6 +109,7 @@ class Controller:
         self.poller.register(self.host_sock, zmq.POLLIN)
         self.graph = LogicalGraph()
         self.replayer = Replayer(self.graph, self.lowered, self.encode)
+        self.step_templates: dict = {}  # DefineStep id -> StepTemplate
         self.hosts: dict = {}  # host index -> HostHandle
         self.by_identity: dict = {}
         self.life_fds: dict = {}  # life pipe fd -> HostHandle
@@ -182,7 +184,13 @@ class Controller:
             self.fatal(str(e))
             return
         records_out = batch.definitions
-        self.replayer.run(nodes, records_out, hold)
+        if batch.step is None:
+            self.replayer.run(nodes, records_out, hold)
+        else:  # (a Step comes alone in its batch; records before it go first all the same)
+            self.replayer.run(nodes, records_out)
+            replayed = self.replayer.replayed
+            self.replayer.run_step(self.step_templates[batch.step[1]], batch.step, records_out)
+            self.replayer.replayed += replayed
         replayed = self.replayer.replayed
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
             self.trace_events.append(
@@ -243,6 +251,14 @@ class Controller:
         batch.stop = None if trace.on else trace.request
         batch.nodes.append(rec)
 
+    def take_step_definition(self, rec, batch: Batch) -> None:
+        self.step_templates[rec[1]] = StepTemplate(rec)
+
+    def take_step(self, rec, batch: Batch) -> None:
+        if batch.step is not None or rec[1] not in self.step_templates:
+            raise LostBatch(f"a replayed step's record the controller cannot take: {rec[:2]}")
+        batch.step = rec
+
     def take_node(self, rec, batch: Batch) -> None:
         """A record the passes carry to the hosts as it is (a fetch)."""
         batch.nodes.append(rec)
@@ -251,6 +267,7 @@ class Controller:
         P.DEFINE_MESH: take_mesh, P.DEFINE_SPEC: take_definition, P.DEFINE_CALL: take_call,
         P.SYNC: take_sync, P.CLUSTER_QUERY: take_cluster_query, P.SHUTDOWN: take_shutdown,
         P.GRAPH: take_graph_dir, P.TRACE: take_trace,
+        P.DEFINE_STEP: take_step_definition, P.STEP: take_step,
     }
 
     def lowered(self, nodes: list) -> list:

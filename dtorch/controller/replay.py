@@ -303,24 +303,63 @@ class Replayer:
             graph = self.graph_of(window) if is_window else None
             if graph is None:
                 pending += window
-                continue
-            self.lower(pending, out)  # what came before first: it moves the stream state on
-            key, outside, made, scalars = shape_of(self.graph.calls, window)
-            key = (graph, key)
-            program = self.programs.get(key)
-            if program is not None and program is not UNFIT and self.advance(
-                    program, outside, made):
-                out.append([P.REPLAY, program.id, *outside, *made, *scalars])
-                self.replayed += 1
-                self.replayed_windows += 1
-                continue
-            if program is not None or is_window == SEGMENT and self.first_sight(key):
-                pending += window  # lowered with its neighbours
-                continue
-            lowered = self.passes(self.nodes(window))
-            self.learn(key, window, outside, made, len(scalars), lowered, out)
-            out += self.encode(lowered)
+            else:
+                self.window(window, graph, is_window, pending, out)
         self.lower(pending, out)
+
+    def window(self, window: list, graph: int, kind, pending: list, out: list):
+        """A window of ``graph``'s operators: replayed, cached, or added to ``pending``
+        (lowered with its neighbours). Returns its program, when it has one, and its binding
+        ``(outside, made, scalars)``."""
+        self.lower(pending, out)  # what came before first: it moves the stream state on
+        key, outside, made, scalars = shape_of(self.graph.calls, window)
+        key = (graph, key)
+        program = self.programs.get(key)
+        if program is not None and program is not UNFIT and self.advance(
+                program, outside, made):
+            self.replay(program, outside, made, scalars, out)
+            return program, (outside, made, scalars)
+        if program is not None or kind == SEGMENT and self.first_sight(key):
+            pending += window  # lowered with its neighbours
+            return None, None
+        lowered = self.passes(self.nodes(window))
+        program = self.learn(key, window, outside, made, len(scalars), lowered, out)
+        out += self.encode(lowered)
+        return program, (outside, made, scalars)
+
+    def replay(self, program, outside: list, made: list, scalars: list, out: list) -> None:
+        out.append([P.REPLAY, program.id, *outside, *made, *scalars])
+        self.replayed += 1
+        self.replayed_windows += 1
+
+    def run_step(self, template, rec, out: list) -> None:
+        """A replayed step's Step record (``step_templates``): its program replayed from the
+        record alone once learnt; else its records expanded and lowered as one window (a
+        segment: cached the second time, replayed from the third), or, when the step cannot
+        be one window (it communicates), as any batch."""
+        self.replayed = 0
+        if self.held:  # (a batch before it ended inside a loop)
+            held, self.held = self.held, []
+            self.lower(held, out)
+        ids, dynamic = template.split(rec)
+        if config.replay and template.fast is not None:
+            bound = template.bind(ids, dynamic)
+            if bound is not None and self.advance(*bound[:3]):
+                self.replay(*bound, out)
+                return
+        records = template.expand(ids, dynamic)
+        graph = self.graph_of(records) if config.replay and template.whole else None
+        if graph is None:
+            template.whole = False
+            self.run(records, out)
+            return
+        pending: list = []
+        program, binding = self.window(records, graph, SEGMENT, pending, out)
+        self.lower(pending, out)
+        if program is not None:
+            template.learn(self.graph.calls, program, ids, dynamic, *binding)
+        elif binding is not None:  # lowered, and no program: a view outlives the step
+            template.whole = False
 
     def first_sight(self, key) -> bool:
         """Whether a segment of shape ``key`` is seen for the first time: a batch that does not
@@ -382,10 +421,10 @@ class Replayer:
 
     # -- caching (a miss) -----------------------------------------------------------------------
     def learn(self, key, window: list, outside: list, made: list, n_scalars: int,
-              lowered: list, out: list) -> None:
+              lowered: list, out: list) -> LoweredWindow | None:
         """Caches the lowering of ``window`` (the passes' output nodes) if it qualifies, and
         defines it to the hosts (through ``out``, and for hosts that start later, the graph's
-        definitions)."""
+        definitions); returns the program, if it made one."""
         stream = compute_stream(key[0])
         index = {id(r): i for i, r in enumerate(window) if type(r) is not int}
         refs = _refs(self.graph.calls, window, outside, made)
@@ -399,10 +438,10 @@ class Replayer:
             members = node.members if type(node) is Chain else [node] if type(node) is \
                 Operator else None
             if members is None:  # a definition, or another record: not a pure window
-                return
+                return None
             for m in members:  # (its calls may replay: ``graph_of``)
                 if m.waits or id(m.rec) not in index or m.stream != stream:
-                    return
+                    return None
                 outs, operands, recorded = refs[index[id(m.rec)]]
                 steps.append([m.call.id, m.site, stream, outs, operands, *(
                     [recorded] if recorded else [])])
@@ -413,7 +452,7 @@ class Replayer:
         footprint = Footprint.of(stream, kernels, outside, made, released)
         if footprint is None:  # a view left alive: lowered as usual
             self.programs[key] = UNFIT
-            return
+            return None
         program = LoweredWindow(next(self.program_ids), footprint)
         self.programs[key] = program
         self.lowered_windows += 1
@@ -422,6 +461,7 @@ class Replayer:
             [k for k, _, _ in footprint.results], sorted(footprint.released)))
         self.graph.definitions.append(definition)
         out.append(definition)
+        return program
 
     # -- replaying (a hit) ----------------------------------------------------------------------
     def advance(self, program: LoweredWindow, outside: list, made: list) -> bool:

@@ -9,6 +9,7 @@ import torch
 from ..buckets import Buckets
 from ..nn.fsdp import dp_sharded
 from ..placement import Replicate
+from ..step_replay import Stale, scalars_from
 from ..tensor import Tensor
 from .kernels import adam_update_, sgd_update_
 
@@ -137,6 +138,21 @@ class Optimizer(torch.optim.Optimizer):
         back.flush()
         return loss
 
+    def _replayed(self, group: dict, params: list, values):
+        """How a replayed step (``step_replay``) gets an update's scalars: ``values(states)``
+        (after what ``update`` does to them), from the same group and states; stale once the
+        group, its options other than the learning rate, or a state was replaced."""
+        options = {k: v for k, v in group.items() if k not in ("params", "lr")}
+        states = [self.state[p] for p in params]
+
+        def check():
+            if (not any(g is group for g in self.param_groups)
+                    or {k: v for k, v in group.items() if k not in ("params", "lr")} != options
+                    or any(self.state.get(p) is not s for p, s in zip(params, states))):
+                raise Stale
+
+        return check, lambda: values(states)
+
     def update(self, params: list, targets: list, group: dict) -> None:
         """Issues the update of ``params`` (one mesh's, of ``group``): ``targets`` holds the
         (parameter, gradient) pair each is updated as (``_target``), in place."""
@@ -233,11 +249,12 @@ class SGD(Optimizer):
             if first:
                 state["momentum_buffer"] = self._state_like(p)
         buffers = [s["momentum_buffer"] for s in states] if group["momentum"] else []
-        sgd_update_([t for t, _ in targets], [g for _, g in targets], buffers,
-                    float(group["lr"]), momentum=group["momentum"],
-                    dampening=group["dampening"], weight_decay=group["weight_decay"],
-                    nesterov=group["nesterov"], maximize=group["maximize"], firsts=firsts,
-                    **self._implementation(group))
+        with scalars_from(*self._replayed(group, params, lambda _: [float(group["lr"])])):
+            sgd_update_([t for t, _ in targets], [g for _, g in targets], buffers,
+                        float(group["lr"]), momentum=group["momentum"],
+                        dampening=group["dampening"], weight_decay=group["weight_decay"],
+                        nesterov=group["nesterov"], maximize=group["maximize"], firsts=firsts,
+                        **self._implementation(group))
 
 
 class Adam(Optimizer):
@@ -271,12 +288,19 @@ class Adam(Optimizer):
                 state["exp_avg_sq"] = self._state_like(p)
             state["step"] += 1
         beta1, beta2 = group["betas"]
-        adam_update_([t for t, _ in targets], [g for _, g in targets],
-                     [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                     [float(s["step"]) for s in states], float(group["lr"]), beta1=beta1,
-                     beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                     maximize=group["maximize"], decoupled=self.decoupled,
-                     **self._implementation(group))
+
+        def counted(states):  # a replay's step counts: each one more, as above
+            for state in states:
+                state["step"] += 1
+            return [float(s["step"]) for s in states] + [float(group["lr"])]
+
+        with scalars_from(*self._replayed(group, params, counted)):
+            adam_update_([t for t, _ in targets], [g for _, g in targets],
+                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                         [float(s["step"]) for s in states], float(group["lr"]), beta1=beta1,
+                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         maximize=group["maximize"], decoupled=self.decoupled,
+                         **self._implementation(group))
 
 
 class AdamW(Adam):
