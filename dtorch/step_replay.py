@@ -64,6 +64,9 @@ from .tensor import DEFERRED_GRADS, Tensor, symbol
 
 LEARN_CALLS = 8  # calls a step learns for before it runs as a plain function
 _template_ids = itertools.count(1)  # DefineStep ids (the controller keeps them by id)
+# one call learns at a time in the process: the session has one watch (a second call that
+# would learn meanwhile, on another thread, runs as Python)
+_learning = threading.Lock()
 _local = threading.local()  # ``watch``: the learning call's _Watch on this thread
 
 
@@ -339,8 +342,10 @@ class Template:
             if o is not None:
                 o._id = made[k]
         self.prev = made
-        return [symbol(made[o[1]], o[2], o[3]) if o[0] == "m" else args[o[1]] if o[0] == "a"
-                else o[1]() if o[0] == "x" else o[1] for o in self.outputs]
+        made_out: dict = {}  # (a tensor returned twice is one tensor)
+        return [(made_out.get(o[1]) or made_out.setdefault(o[1], symbol(made[o[1]], o[2], o[3])))
+                if o[0] == "m" else args[o[1]] if o[0] == "a" else o[1]() if o[0] == "x"
+                else o[1] for o in self.outputs]
 
 
 class ReplayedStep:
@@ -387,10 +392,13 @@ class ReplayedStep:
                         self.replays += 1
                         return pytree.tree_unflatten(out, template.out_spec)
                 self.template, self.last = None, None
-            if self.given_up or s.watch is not None:  # (a replayed step inside one learning)
+            if self.given_up or not _learning.acquire(blocking=False):
                 leaves, spec = pytree.tree_flatten(self.fn(*args, **kwargs))
                 return pytree.tree_unflatten(list(map(_without_history, leaves)), spec)
-            return self._learn(s, args, kwargs, leaves, key)
+            try:
+                return self._learn(s, args, kwargs, leaves, key)
+            finally:
+                _learning.release()
 
 
     def _learn(self, s, args, kwargs, leaves, key):

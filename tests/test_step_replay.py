@@ -330,3 +330,72 @@ def test_a_tensor_the_step_reads_replaced_between_calls_sends_it_back_to_learnin
     holder["w"] = dtorch.full((2,), 7.0, device_mesh=one)
     step.reset()
     assert step(x).item() == 14.0 and kept is not None
+
+
+def test_a_tensor_returned_twice_is_one_tensor(one):
+    w = dtorch.zeros(2, device_mesh=one)
+    step = dtorch.replayed_step(lambda x: (lambda s: (s, [s]))(w.add_(x).sum()))
+    outs = [step(dtorch.ones(2, device_mesh=one)) for _ in range(4)]
+    assert step.replays == 2
+    for k, (total, (again,)) in enumerate(outs):
+        assert total is again and total.item() == 2.0 * (k + 1)
+
+
+def test_steps_learning_on_two_threads_at_once_give_their_values():
+    """One session has one watch: a call that would learn while another thread's does runs
+    as Python; each thread's values are its own."""
+    mesh = dtorch.DeviceMesh("cpu", [0])
+    results, errors = {}, []
+
+    def train(name: int):
+        try:
+            w = dtorch.zeros(3, device_mesh=mesh)
+            step = dtorch.replayed_step(lambda x: w.add_(x * name).sum())
+            results[name] = ([step(dtorch.ones(3, device_mesh=mesh)).item() for _ in range(12)],
+                             step.replays)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(n,)) for n in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for name, (values, replays) in results.items():
+        assert values == [3.0 * name * (k + 1) for k in range(12)], name
+    assert any(replays for _, replays in results.values())
+
+
+def test_a_step_called_while_another_thread_learns_runs_as_python():
+    """Thread B calls its step three times while thread A's step is in the middle of a
+    learning call: B's calls run as Python (the session has one watch, A's), and A's call,
+    which saw B's operators, does not count."""
+    mesh = dtorch.DeviceMesh("cpu", [0])
+    inside, done = threading.Event(), threading.Event()
+    a_w, b_w = dtorch.zeros(2, device_mesh=mesh), dtorch.zeros(2, device_mesh=mesh)
+
+    def a_body(x):
+        a_w.add_(x)
+        if not inside.is_set():
+            inside.set()
+            done.wait(60)
+        return a_w.sum()
+
+    step_a = dtorch.replayed_step(a_body)
+    step_b = dtorch.replayed_step(lambda x: b_w.add_(x).sum())
+    values = []
+
+    def b():
+        inside.wait(60)
+        values.extend(step_b(dtorch.ones(2, device_mesh=mesh)).item() for _ in range(3))
+        done.set()
+
+    other = threading.Thread(target=b)
+    other.start()
+    first = step_a(dtorch.ones(2, device_mesh=mesh))
+    other.join()
+    assert values == [2.0, 4.0, 6.0] and step_b.replays == 0
+    assert [first.item()] + [step_a(dtorch.ones(2, device_mesh=mesh)).item()
+                             for _ in range(3)] == [2.0, 4.0, 6.0, 8.0]
+    assert step_a.replays == 1  # its first call saw B's operators: it learnt from calls 2, 3

@@ -304,10 +304,10 @@ class Replayer:
             if graph is None:
                 pending += window
             else:
-                self.window(window, graph, is_window, pending, out)
+                self.take_window(window, graph, is_window, pending, out)
         self.lower(pending, out)
 
-    def window(self, window: list, graph: int, kind, pending: list, out: list):
+    def take_window(self, window: list, graph: int, kind, pending: list, out: list):
         """A window of ``graph``'s operators: replayed, cached, or added to ``pending``
         (lowered with its neighbours). Returns its program, when it has one, and its binding
         ``(outside, made, scalars)``."""
@@ -317,7 +317,7 @@ class Replayer:
         program = self.programs.get(key)
         if program is not None and program is not UNFIT and self.advance(
                 program, outside, made):
-            self.replay(program, outside, made, scalars, out)
+            self.emit_replay(program, outside, made, scalars, out)
             return program, (outside, made, scalars)
         if program is not None or kind == SEGMENT and self.first_sight(key):
             pending += window  # lowered with its neighbours
@@ -327,7 +327,7 @@ class Replayer:
         out += self.encode(lowered)
         return program, (outside, made, scalars)
 
-    def replay(self, program, outside: list, made: list, scalars: list, out: list) -> None:
+    def emit_replay(self, program, outside: list, made: list, scalars: list, out: list) -> None:
         out.append([P.REPLAY, program.id, *outside, *made, *scalars])
         self.replayed += 1
         self.replayed_windows += 1
@@ -345,7 +345,7 @@ class Replayer:
         if config.replay and template.fast is not None:
             bound = template.bind(ids, dynamic)
             if bound is not None and self.advance(*bound[:3]):
-                self.replay(*bound, out)
+                self.emit_replay(*bound, out)
                 return
         records = template.expand(ids, dynamic)
         graph = self.graph_of(records) if config.replay and template.whole else None
@@ -354,7 +354,7 @@ class Replayer:
             self.run(records, out)
             return
         pending: list = []
-        program, binding = self.window(records, graph, SEGMENT, pending, out)
+        program, binding = self.take_window(records, graph, SEGMENT, pending, out)
         self.lower(pending, out)
         if program is not None:
             template.learn(self.graph.calls, program, ids, dynamic, *binding)
