@@ -63,7 +63,7 @@ from .client import session as _session
 from .tensor import DEFERRED_GRADS, Tensor, symbol
 
 LEARN_CALLS = 8  # calls a step learns for before it runs as a plain function
-_template_ids = itertools.count(1)  # DefineStep ids (the controller keeps them by id)
+_template_ids = itertools.count(1)  # DefineStep ids: one per ReplayedStep
 # one call learns at a time in the process: the session has one watch (a second call that
 # would learn meanwhile, on another thread, runs as Python)
 _learning = threading.Lock()
@@ -268,7 +268,7 @@ class Template:
     a hole is an index into a replay's ids: made, then the previous call's made, then the
     arguments), what a replay returns and re-points, and what the guards check."""
 
-    def __init__(self, s, call: _Call, arg_key, out_spec, n_args: int):
+    def __init__(self, s, call: _Call, arg_key, out_spec, n_args: int, template_id: int):
         self.session, self.arg_key = s, arg_key
         self.n_made = self.n_prev = len(call.made)  # (the previous call's form was the same)
         base = {"m": 0, "p": self.n_made, "a": self.n_made + self.n_prev}
@@ -311,7 +311,7 @@ class Template:
                             "history kept past the step, or a graph's key)")
             self.holders += [(weakref.ref(o), r.k) for o in held]
         self.prev = call.made  # the ids the first replay's p refs name: the last call's
-        self.id = next(_template_ids)
+        self.id = template_id  # (a step's next template replaces it on the controller)
         s.append(P.DefineStep(P.DEFINE_STEP, self.id, 2 * self.n_made + n_args, entries))
 
     def guard(self, s) -> None:
@@ -359,6 +359,7 @@ class ReplayedStep:
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
         self.replays = 0
+        self.template_id = next(_template_ids)  # the controller keeps one template a step
         self._lock = threading.RLock()
         self.reset()
 
@@ -431,11 +432,12 @@ class ReplayedStep:
                 if call.released_prev != {Hole("p", r.k) for r in prev.alive}:
                     raise Unfit("it leaves made tensors the next call does not drop")
                 self.template = Template(s, call, key, self.out_spec,
-                                         sum(isinstance(t, Tensor) for t in leaves))
+                                         sum(isinstance(t, Tensor) for t in leaves),
+                                         self.template_id)
             except Unfit as e:
                 self.why = str(e)
             else:
-                self.learnt = 0
+                self.learnt, self.last = 0, None
                 return result
         elif call is not None and prev is not None:
             self.why = _difference(s, prev.form, call.form)

@@ -31,7 +31,8 @@ def data(n, rows=7, seed=0):
             for _ in range(n)]
 
 
-def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, change=None):
+def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, change=None,
+             zero_stage: int = 0):
     """The MLP of test_training (column- then row-parallel on tp) trained on dp with SGD
     (momentum, weight decay) and a step-decay schedule; per step: the loss the step returned,
     and the weights, gradients and momentum buffers after it (as torch tensors)."""
@@ -39,7 +40,10 @@ def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, cha
 
     model = MLP(grid)
     model.load_state_dict(TorchMLP().state_dict())
-    opt = dtorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if zero_stage == 3:
+        dtorch.nn.fully_shard(model)
+    opt = dtorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01,
+                           zero_stage=zero_stage)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
     def step(x, y):
@@ -82,10 +86,13 @@ def assert_same(a, b):
             assert torch.equal(x[name], y[name]), (k, name)
 
 
-@pytest.mark.parametrize("zero_first", [False, True], ids=["zero_grad_last", "zero_grad_first"])
-def test_data_and_tensor_parallel_steps_replay_with_the_values_of_python(grid, zero_first):
-    plain, _ = mlp_loop(grid, replayed=False, zero_first=zero_first)
-    replayed, replays = mlp_loop(grid, replayed=True, zero_first=zero_first)
+@pytest.mark.parametrize("zero_first,zero_stage", [(False, 0), (True, 0), (False, 2), (True, 3)],
+                         ids=["zero_grad_last", "zero_grad_first", "ZeRO-2", "ZeRO-3"])
+def test_data_and_tensor_parallel_steps_replay_with_the_values_of_python(grid, zero_first,
+                                                                         zero_stage):
+    plain, _ = mlp_loop(grid, replayed=False, zero_first=zero_first, zero_stage=zero_stage)
+    replayed, replays = mlp_loop(grid, replayed=True, zero_first=zero_first,
+                                 zero_stage=zero_stage)
     assert replays >= 9 - 4, replays  # learnt within 4 calls (the first makes the momenta)
     assert_same(replayed, plain)
 
