@@ -1,6 +1,6 @@
 """Replayed steps: a function that issues the same records call after call (a training step:
-forward, backward, the optimizer's update) is sent again as those records with fresh ids,
-without running its Python -- what a CUDA graph is to a CUDA stream, for dtorch's op records.
+forward, backward, the optimizer's update) is sent again as one record a call, without running
+its Python -- what a CUDA graph is to a CUDA stream, for dtorch's op records.
 
 >>> import dtorch
 >>> w = dtorch.ones(3, device_mesh=dtorch.DeviceMesh("cpu", [0]))
@@ -20,9 +20,11 @@ canonical form (``_observe``): an id made during the call becomes its index amon
 next drops), a tensor argument its position (``a``); any other id (a parameter, an optimizer's
 moment) stays as it is (``x``). Once two calls in a row have the same form -- the same
 operators, from the same lines, on the same ids, with the same scalars -- the later one is the
-template (``Template``): from then on a call allocates fresh ids for the made ones, fills them
-into the records and sends them as one batch (``Session.send_batch``): about 0.5 us a record,
-where running a Llama step's Python costs about 10.
+template (``Template``), sent to the controller once as its records with holes
+(``protocol.DefineStep``). From then on a call allocates fresh ids for the made ones and sends
+them, the previous call's and the arguments' ids, and the changing scalars as one ``Step``
+record, which the controller expands or binds to the step's program
+(``controller/step_templates.py``).
 
 What a replay does as the function's Python would have:
 - the scalars that change from step to step come from their providers (``scalars_from``): an
@@ -30,8 +32,9 @@ What a replay does as the function's Python would have:
   rate a scheduler set;
 - tensors the last call made and left in Python objects (a gradient, when ``zero_grad`` comes
   first in the step) hold the replay's ids afterwards, as if the replay had made them;
-- the returned tensors are new each call and detached (the step ran its own backward): each
-  call, learning or replaying, returns tensors of its own.
+- the returned tensors are new each call and carry no autograd history (the step ran its own
+  backward; one returned with history is returned as a copy without it): each call, learning
+  or replaying, returns tensors of its own.
 
 What it does not: any other effect of the function's Python (a print, a counter, a list
 appended to) happens only in the calls that learn. A function that reads a value (``.item()``,
@@ -114,7 +117,7 @@ class Hole:
     """An id in a canonical form: ``kind`` m (made by the call), p (by the previous call), a
     (a tensor argument), x (any other: kept as it is), and its index there (x: the id)."""
 
-    __slots__ = ("kind", "k")
+    __slots__ = ("k", "kind")
 
     def __init__(self, kind: str, k: int):
         self.kind, self.k = kind, k
@@ -400,7 +403,6 @@ class ReplayedStep:
                 return self._learn(s, args, kwargs, leaves, key)
             finally:
                 _learning.release()
-
 
     def _learn(self, s, args, kwargs, leaves, key):
         arg_ids: dict = {}  # id -> its first position among the tensor arguments

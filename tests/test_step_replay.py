@@ -341,7 +341,12 @@ def test_a_tensor_the_step_reads_replaced_between_calls_sends_it_back_to_learnin
 
 def test_a_tensor_returned_twice_is_one_tensor(one):
     w = dtorch.zeros(2, device_mesh=one)
-    step = dtorch.replayed_step(lambda x: (lambda s: (s, [s]))(w.add_(x).sum()))
+
+    @dtorch.replayed_step
+    def step(x):
+        total = w.add_(x).sum()
+        return total, [total]
+
     outs = [step(dtorch.ones(2, device_mesh=one)) for _ in range(4)]
     assert step.replays == 2
     for k, (total, (again,)) in enumerate(outs):

@@ -42,8 +42,8 @@ from .dot import to_dot
 from .logical_graph import LogicalGraph, Operator
 from .passes import Chain, run_passes
 from .replay import Replayer
-from .step_templates import StepTemplate
 from .reports import DEATH_GRACE_S, Reports, collective_names
+from .step_templates import StepTemplate
 
 
 # how long the tail of a batch that ended inside a loop waits for the next batch, whose first

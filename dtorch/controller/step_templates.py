@@ -26,7 +26,6 @@ class StepTemplate:
     def __init__(self, rec):
         d = P.DefineStep(*rec)
         self.id, self.n_ids, self.entries = d.id, d.n_ids, d.entries
-        self.n_dynamic = sum(len(e[2]) for e in self.entries if type(e) is not int)
         self.whole = True
         self.fast = None
 
