@@ -34,7 +34,8 @@ def data(n, rows=7, seed=0):
 def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, change=None,
              zero_stage: int = 0):
     """The MLP of test_training (column- then row-parallel on tp) trained on dp with SGD
-    (momentum, weight decay) and a step-decay schedule; per step: the loss the step returned,
+    (momentum, weight decay), gradients clipped, and a step-decay schedule; per step: the loss
+    the step returned,
     and the weights, gradients and momentum buffers after it (as torch tensors)."""
     from test_training import MLP, TorchMLP
 
@@ -51,6 +52,7 @@ def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, cha
             opt.zero_grad()
         loss = dtorch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # a norm over the mesh
         opt.step()
         if not zero_first:
             opt.zero_grad()
@@ -108,6 +110,7 @@ def test_replayed_mlp_trains_as_torch(grid):
     for (x, y), got in zip(data(9), replayed):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         sched.step()
