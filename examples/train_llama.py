@@ -7,13 +7,16 @@ Needs transformers (for the config): ``pip install -e ".[llama]"``.
     python examples/train_llama.py --pp 2 --zero 1 --dp 2
     python examples/train_llama.py --dp 2 --zero 3       # parameters sharded (fully_shard)
     python examples/train_llama.py --dp 2 --accum 4      # 4 micro-batches a step, one reduction
+    python examples/train_llama.py --replayed            # the step under dtorch.replayed_step
 
 Each sample is ``prefix, prefix`` (random tokens, then the same again): the second half is
 predictable from the first, so the loss on it falls from ln(vocab) towards 0 as the model learns
 to copy. The loop is the one a torch user writes; ``loss.item()`` (every ``--log-every`` steps) is
 the only wait, and the throughput (tokens a second) is measured between those waits. With
 ``--accum K`` each step's batch runs as K micro-batches, the first K - 1 inside DDP's
-``model.no_sync()``, so the gradients are reduced once a step. At the end the model is saved (``save_checkpoint`` plus the HF config) and
+``model.no_sync()``, so the gradients are reduced once a step. With ``--replayed`` the step
+(forward, backward, clipping, the update) is a ``dtorch.replayed_step``: once two calls issued
+the same records, each step is one record (the batch is placed outside it). At the end the model is saved (``save_checkpoint`` plus the HF config) and
 reloaded with ``LlamaForCausalLM.from_pretrained``, which must give the same logits.
 """
 
@@ -48,6 +51,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--out", default=None, help="checkpoint directory (default: a temp dir)")
+    parser.add_argument("--replayed", action="store_true",
+                        help="run the step under dtorch.replayed_step (not with --accum)")
     args = parser.parse_args()
 
     mesh = dtorch.init_device_mesh("cpu", (args.dp, args.tp, args.pp),
@@ -63,11 +68,27 @@ def main() -> None:
         dtorch.nn.fully_shard(model)
     opt = dtorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
                              zero_stage=args.zero)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps)
+    # (a replayed step takes each step's learning rate; OneCycleLR's momentum cycle would
+    # change AdamW's betas, part of the update's call shape, so every step would differ)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps,
+                                                cycle_momentum=not args.replayed)
     g = torch.Generator().manual_seed(1)
 
     if args.batch % args.accum:
         parser.error(f"--accum {args.accum} does not divide --batch {args.batch}")
+    if args.replayed and args.accum > 1:
+        parser.error("--replayed steps have one micro-batch (no_sync's held gradients are "
+                     "Python state a replay would not see)")
+
+    @dtorch.replayed_step
+    def replayed_step(inputs, target):
+        loss = F.cross_entropy(copied_logits(model, inputs, args.half), target)
+        loss.backward()
+        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
     micro = args.batch // args.accum
     tokens_per_step = args.batch * (2 * args.half - 1)
 
@@ -77,15 +98,20 @@ def main() -> None:
     for step in bar:
         prefix = torch.randint(0, args.vocab, (args.batch, args.half), generator=g)
         seq = torch.cat([prefix, prefix], dim=1)
-        for k in range(args.accum):
-            # the last micro-batch's backward reduces the gradients the others summed
-            sync = contextlib.nullcontext() if k == args.accum - 1 else model.no_sync()
-            with sync:
-                loss = micro_loss(model, seq[k * micro:(k + 1) * micro], args.half) / args.accum
-                loss.backward()
-        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        if args.replayed:
+            loss = replayed_step(*placed(model, seq, args.half))
+        else:
+            for k in range(args.accum):
+                # the last micro-batch's backward reduces the gradients the others summed
+                sync = contextlib.nullcontext() if k == args.accum - 1 else model.no_sync()
+                with sync:
+                    inputs, target = placed(model, seq[k * micro:(k + 1) * micro], args.half)
+                    loss = F.cross_entropy(copied_logits(model, inputs, args.half), target)
+                    loss = loss / args.accum
+                    loss.backward()
+            dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
         sched.step()
         since += 1
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -99,7 +125,8 @@ def main() -> None:
     median = sorted(rates)[len(rates) // 2] if rates else float("nan")
     print(f"loss: {first:.3f} at the start (ln {args.vocab} = {math.log(args.vocab):.3f}), "
           f"{value:.3f} after {args.steps} steps; {median:,.0f} tokens/s "
-          f"(median over logging intervals, {tokens_per_step} tokens a step)")
+          f"(median over logging intervals, {tokens_per_step} tokens a step)"
+          + (f"; {replayed_step.replays} steps replayed" if args.replayed else ""))
 
     out = args.out or tempfile.mkdtemp(prefix="dtorch-llama-")
     dtorch.save_checkpoint(model, out)
@@ -111,15 +138,19 @@ def main() -> None:
     print(f"saved to {out} ({len(os.listdir(out))} files); reloaded logits equal: {same}")
 
 
-def micro_loss(model, seq, half: int):
-    """The mean cross-entropy of predicting the copied half of ``seq`` (a micro-batch)."""
-    inputs = model.place_tokens(seq[:, :-1])  # the batch Shard(0) on dp
-    logits = model(inputs)  # predicts token t + 1 from tokens <= t, laid out as inputs
-    # the loss on the copied half only: the first half is random, nothing to learn there
-    predicted = logits[:, half - 1:].flatten(0, 1)
+def placed(model, seq, half: int):
+    """A (micro-)batch of ``seq`` on the mesh: the inputs (all tokens but the last), and the
+    targets of the copied half, laid out as the inputs (the batch Shard(0) on dp)."""
+    inputs = model.place_tokens(seq[:, :-1])
     target = dtorch.from_torch(seq[:, half:], device_mesh=inputs.device_mesh,
                                placements=inputs.placements).flatten()
-    return F.cross_entropy(predicted, target)
+    return inputs, target
+
+
+def copied_logits(model, inputs, half: int):
+    """The logits that predict the copied half (the loss is taken on it only: the first half
+    is random, nothing to learn there); the model predicts token t + 1 from tokens <= t."""
+    return model(inputs)[:, half - 1:].flatten(0, 1)
 
 
 if __name__ == "__main__":
