@@ -29,7 +29,7 @@ record, which the controller expands or binds to the step's program
 What a replay does as the function's Python would have:
 - the scalars that change from step to step come from their providers (``scalars_from``): an
   optimizer's update gives its step counts, incremented as its ``step`` does, and the learning
-  rate a scheduler set;
+  rate (and Adam's betas) a scheduler set;
 - tensors the last call made and left in Python objects (a gradient, when ``zero_grad`` comes
   first in the step) hold the replay's ids afterwards, as if the replay had made them;
 - the returned tensors are new each call and carry no autograd history (the step ran its own

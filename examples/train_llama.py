@@ -68,10 +68,9 @@ def main() -> None:
         dtorch.nn.fully_shard(model)
     opt = dtorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01,
                              zero_stage=args.zero)
-    # (a replayed step takes each step's learning rate; OneCycleLR's momentum cycle would
-    # change AdamW's betas, part of the update's call shape, so every step would differ)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps,
-                                                cycle_momentum=not args.replayed)
+    # (a replayed step takes each step's learning rate and AdamW's betas, which this
+    # schedule cycles, from the optimizer)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps)
     g = torch.Generator().manual_seed(1)
 
     if args.batch % args.accum:

@@ -32,7 +32,7 @@ def data(n, rows=7, seed=0):
 
 
 def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, change=None,
-             zero_stage: int = 0):
+             zero_stage: int = 0, adam: bool = False):
     """The MLP of test_training (column- then row-parallel on tp) trained on dp with SGD
     (momentum, weight decay), gradients clipped, and a step-decay schedule; per step: the loss
     the step returned,
@@ -43,9 +43,13 @@ def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, cha
     model.load_state_dict(TorchMLP().state_dict())
     if zero_stage == 3:
         dtorch.nn.fully_shard(model)
-    opt = dtorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01,
-                           zero_stage=zero_stage)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if adam:  # OneCycleLR: the rate and AdamW's first beta change every step
+        opt = dtorch.optim.AdamW(model.parameters(), lr=0.01, zero_stage=zero_stage)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=steps)
+    else:
+        opt = dtorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01,
+                               zero_stage=zero_stage)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
     def step(x, y):
         if zero_first:  # the gradients of a step live until the next one drops them
@@ -72,9 +76,10 @@ def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, cha
                      **{n: p.to_torch() for n, p in model.named_parameters()},
                      **{"grad " + n: p.grad.to_torch() for n, p in model.named_parameters()
                         if p.grad is not None},
-                     **{f"momentum {i}": opt.state[p]["momentum_buffer"].to_torch()
+                     **{f"{name} {i}": opt.state[p][name].to_torch()
                         for i, p in enumerate(model.parameters())
-                        if "momentum_buffer" in opt.state[p]}})
+                        for name in ("momentum_buffer", "exp_avg", "exp_avg_sq")
+                        if name in opt.state[p]}})
     for s in seen:  # read at the end: each step's returned tensor holds its own step's loss
         s["loss"] = s["loss"].to_torch()
     return seen, getattr(step, "replays", 0)
@@ -88,13 +93,15 @@ def assert_same(a, b):
             assert torch.equal(x[name], y[name]), (k, name)
 
 
-@pytest.mark.parametrize("zero_first,zero_stage", [(False, 0), (True, 0), (False, 2), (True, 3)],
-                         ids=["zero_grad_last", "zero_grad_first", "ZeRO-2", "ZeRO-3"])
+@pytest.mark.parametrize("zero_first,zero_stage,adam", [
+    (False, 0, False), (True, 0, False), (False, 2, False), (True, 3, False), (False, 1, True)],
+    ids=["zero_grad_last", "zero_grad_first", "ZeRO-2", "ZeRO-3", "AdamW-OneCycleLR-ZeRO-1"])
 def test_data_and_tensor_parallel_steps_replay_with_the_values_of_python(grid, zero_first,
-                                                                         zero_stage):
-    plain, _ = mlp_loop(grid, replayed=False, zero_first=zero_first, zero_stage=zero_stage)
+                                                                         zero_stage, adam):
+    plain, _ = mlp_loop(grid, replayed=False, zero_first=zero_first, zero_stage=zero_stage,
+                        adam=adam)
     replayed, replays = mlp_loop(grid, replayed=True, zero_first=zero_first,
-                                 zero_stage=zero_stage)
+                                 zero_stage=zero_stage, adam=adam)
     assert replays >= 9 - 4, replays  # learnt within 4 calls (the first makes the momenta)
     assert_same(replayed, plain)
 

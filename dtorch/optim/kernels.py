@@ -5,12 +5,14 @@ switches: a dtorch optimizer's arithmetic is torch's, element for element.
 
 An operand list is laid out by kind, then by parameter: the n parameters, their n gradients,
 their state tensors (SGD's momentum buffers if it has momentum; Adam's first then second
-moments), then the numbers: Adam's n step counts, and the learning rate. Each update is in
+moments), then the numbers: Adam's n step counts, the learning rate, and Adam's two betas. Each update is in
 place, as torch's: it writes the parameters and their state, returns the first parameter
 (operand 0), and its flags say which operands it writes (``protocol.writes``, per call:
 ``OpDef.written``), so the controller orders every other access to those storages around it
-(``passes.assign_streams``). Step counts and the learning rate are operands passed as numbers,
-which travel as values: a scheduler changing the rate every step reuses one call shape.
+(``passes.assign_streams``). Step counts, the learning rate and Adam's betas are operands
+passed as numbers, which travel as values: a scheduler changing the rate (or, as OneCycleLR
+does, the momentum) every step reuses one call shape, and a replayed step takes them from the
+optimizer (``step_replay.scalars_from``).
 
 The layout: each parameter's gradient and state are laid out as it is (the optimizer makes them
 so), and every element's update reads only that element, so any Shard or Replicate layout
@@ -76,9 +78,9 @@ def _sgd_update_(*operands, momentum, dampening, weight_decay, nesterov, maximiz
     return params[0]
 
 
-def _adam_update_(*operands, beta1, beta2, eps, weight_decay, maximize, decoupled, foreach,
-                  fused):
-    n = (len(operands) - 1) // 5
+def _adam_update_(*operands, eps, weight_decay, maximize, decoupled, foreach, fused):
+    n = (len(operands) - 3) // 5
+    lr, beta1, beta2 = operands[-3:]
     params, grads, exp_avgs, exp_avg_sqs, steps = _lists(operands, n, 5)
     # torch counts the step before the update: the count of the update being made. Its fused
     # kernels read the counts on the device, the others on the CPU (as torch.optim.Adam keeps
@@ -87,7 +89,7 @@ def _adam_update_(*operands, beta1, beta2, eps, weight_decay, maximize, decouple
     counts = [torch.tensor(float(s - 1), device=where) for s in steps]
     _torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], counts, foreach=foreach and not fused,
                 fused=fused, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
-                beta2=beta2, lr=operands[-1], weight_decay=weight_decay, eps=eps,
+                beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                 maximize=maximize)
     return params[0]
 
@@ -102,7 +104,7 @@ def _sgd_written(n_operands: int, static: dict) -> range:
 
 
 def _adam_written(n_operands: int, static: dict) -> tuple:
-    n = (n_operands - 1) // 5
+    n = (n_operands - 3) // 5
     return (*range(1, n), *range(2 * n, 4 * n))
 
 
@@ -120,9 +122,9 @@ def adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, lr: float, *, beta
                  weight_decay, maximize, decoupled, foreach, fused):
     """Issues one Adam (``decoupled``: AdamW) step of ``params`` and their moments (in place)
     and returns the first; ``steps`` count this update of each."""
-    return issue("adam_update_", (*params, *grads, *exp_avgs, *exp_avg_sqs, *steps, lr),
-                 (beta1, beta2, eps, weight_decay, maximize, decoupled, bool(foreach),
-                  bool(fused)))
+    return issue("adam_update_", (*params, *grads, *exp_avgs, *exp_avg_sqs, *steps, lr,
+                                  float(beta1), float(beta2)),
+                 (eps, weight_decay, maximize, decoupled, bool(foreach), bool(fused)))
 
 
 register(OpDef("sgd_update_",
@@ -131,7 +133,7 @@ register(OpDef("sgd_update_",
                "fused=False)", _sgd_update_, alike_rule, meta=_update_meta, flags=INPLACE,
                written=_sgd_written, function=False, front=sgd_update_))
 register(OpDef("adam_update_",
-               "adam_update_(operands: TensorList, *, beta1=0.9, beta2=0.999, eps=1e-8, "
-               "weight_decay=0.0, maximize=False, decoupled=False, foreach=True, fused=False)",
+               "adam_update_(operands: TensorList, *, eps=1e-8, weight_decay=0.0, "
+               "maximize=False, decoupled=False, foreach=True, fused=False)",
                _adam_update_, alike_rule, meta=_update_meta, flags=INPLACE,
                written=_adam_written, function=False, front=adam_update_))

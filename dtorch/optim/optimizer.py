@@ -14,6 +14,10 @@ from ..tensor import Tensor
 from .kernels import adam_update_, sgd_update_
 
 
+# a group's entries an update takes as values, not in its call's shape (``optim/kernels.py``)
+_VALUES = ("params", "lr", "betas")
+
+
 class Optimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` over dtorch parameters: param groups, hooks, ``state_dict``
     and schedulers are torch's; ``zero_grad`` and the checks on parameters are dtorch's."""
@@ -141,13 +145,14 @@ class Optimizer(torch.optim.Optimizer):
     def _replayed(self, group: dict, params: list, values):
         """How a replayed step (``step_replay``) gets an update's scalars: ``values(states)``
         (after what ``update`` does to them), from the same group and states; stale once the
-        group, its options other than the learning rate, or a state was replaced."""
-        options = {k: v for k, v in group.items() if k not in ("params", "lr")}
+        group, its options other than those that travel as values (``_VALUES``), or a state
+        was replaced."""
+        options = {k: v for k, v in group.items() if k not in _VALUES}
         states = [self.state[p] for p in params]
 
         def check():
             if (not any(g is group for g in self.param_groups)
-                    or {k: v for k, v in group.items() if k not in ("params", "lr")} != options
+                    or {k: v for k, v in group.items() if k not in _VALUES} != options
                     or any(self.state.get(p) is not s for p, s in zip(params, states))):
                 raise Stale
 
@@ -292,7 +297,8 @@ class Adam(Optimizer):
         def counted(states):  # a replay's step counts: each one more, as above
             for state in states:
                 state["step"] += 1
-            return [float(s["step"]) for s in states] + [float(group["lr"])]
+            return [float(s["step"]) for s in states] + [float(group["lr"]),
+                                                         *map(float, group["betas"])]
 
         with scalars_from(*self._replayed(group, params, counted)):
             adam_update_([t for t, _ in targets], [g for _, g in targets],
