@@ -314,6 +314,7 @@ class Template:
                             "history kept past the step, or a graph's key)")
             self.holders += [(weakref.ref(o), r.k) for o in held]
         self.prev = call.made  # the ids the first replay's p refs name: the last call's
+        self.n_records = len(entries)  # what flow control counts a replay as
         self.id = template_id  # (a step's next template replaces it on the controller)
         s.append(P.DefineStep(P.DEFINE_STEP, self.id, 2 * self.n_made + n_args, entries))
 
@@ -339,7 +340,7 @@ class Template:
             dynamic += values()
         made = list(itertools.islice(s.ids, self.n_made))
         s.send_batch([(P.STEP, self.id, *made, *self.prev, *[t._id for t in args],
-                       *dynamic)])
+                       *dynamic)], weight=self.n_records)
         for ref, k in self.holders:
             o = ref()
             if o is not None:

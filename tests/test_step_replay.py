@@ -421,3 +421,35 @@ def test_a_step_called_while_another_thread_learns_runs_as_python():
     assert [first.item()] + [step_a(dtorch.ones(2, device_mesh=mesh)).item()
                              for _ in range(3)] == [2.0, 4.0, 6.0, 8.0]
     assert step_a.replays == 1  # its first call saw B's operators: it learnt from calls 2, 3
+
+
+def test_flow_control_counts_a_replay_as_its_records(one, monkeypatch):
+    """A Step record stands for its step's records: 300 replays of a step of 40 records,
+    never read, are 12,000 records in flight, which a bound of 4,000 marks every 1,000 (as it
+    would the steps run as Python); counted as one record each they would never be marked,
+    and a loop without reads would run unboundedly ahead of the devices."""
+    from dtorch.client import session as _session
+
+    s = _session.current()
+    w = dtorch.zeros(4, device_mesh=one)
+
+    @dtorch.replayed_step
+    def step(x):
+        for _ in range(20):
+            x = x * 1.0 + 1.0  # (two records each)
+        w.add_(x)
+
+    marks = []
+    plain_mark = s._mark
+    monkeypatch.setattr(s, "_mark", lambda: marks.append(1) or plain_mark())
+    with dtorch.config.Context(max_inflight_ops=4000):
+        dtorch.sync()
+        x = dtorch.zeros(4, device_mesh=one)
+        for _ in range(3):
+            step(x)  # learning
+        marks.clear()
+        for _ in range(300):
+            step(x)
+        assert step.replays == 301  # (learnt in two calls)
+        assert len(marks) >= 300 * 40 // 1000 - 1, len(marks)
+    assert torch.equal(w.to_torch(), torch.full((4,), 303 * 20.0))

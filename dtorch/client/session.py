@@ -250,8 +250,9 @@ class Session(Receiving):
         with self._flush_lock:
             self._flush_locked(block)
 
-    def _flush_locked(self, block: bool, made: list | None = None) -> None:
-        """The flush (under its lock) of the buffered records, or of the batch ``made``."""
+    def _flush_locked(self, block: bool, made: list | None = None, weight: int = 0) -> None:
+        """The flush (under its lock) of the buffered records, or of the batch ``made``, which
+        counts as ``weight`` records for flow control (if given)."""
         records, marks = self.records, self.marks
         n = len(records) if made is None else len(made)
         if not n or self.stopping:
@@ -281,16 +282,17 @@ class Session(Receiving):
             if flushed:
                 spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
                           (f"flush {n} records", P.CLIENT, 1, flushed, time.time_ns(), 0)]
-        self.unmarked += n
+        self.unmarked += weight or n
         if self.unmarked * MARKS >= self.inflight_bound:
             self._mark()
 
-    def send_batch(self, batch: list) -> None:
+    def send_batch(self, batch: list, weight: int = 0) -> None:
         """Sends ``batch`` (records made at once: a replayed step's) as one frame, after what
-        is buffered."""
+        is buffered; flow control counts it as ``weight`` records (a Step record stands for
+        its step's)."""
         with self._flush_lock:
             self._flush_locked(True)
-            self._flush_locked(True, batch)
+            self._flush_locked(True, batch, weight)
 
     def _take_unsendable(self, batch: list) -> list:
         """The records of ``batch`` that serialize; each other one becomes an error raised at
