@@ -250,11 +250,12 @@ class Session(Receiving):
         with self._flush_lock:
             self._flush_locked(block)
 
-    def _flush_locked(self, block: bool, made: list | None = None, weight: int = 0) -> None:
-        """The flush (under its lock) of the buffered records, or of the batch ``made``, which
-        counts as ``weight`` records for flow control (if given)."""
+    def _flush_locked(self, block: bool, then: tuple = (), weight: int = 0) -> None:
+        """The flush (under its lock) of the buffered records, followed in the same frame by
+        ``then``, which flow control counts as ``weight`` records."""
         records, marks = self.records, self.marks
-        n = len(records) if made is None else len(made)
+        buffered = len(records)
+        n = buffered + len(then)
         if not n or self.stopping:
             return
         while marks and marks[0].done():
@@ -271,7 +272,8 @@ class Session(Receiving):
             # read before the records are taken: a record appended after that starts the
             # next batch
             started, flushed = self.batch_started, time.time_ns() if spans is not None else 0
-            batch = [records.popleft() for _ in range(n)] if made is None else made
+            batch = [records.popleft() for _ in range(buffered)]
+            batch += then
             if records and flushed:  # appended meanwhile: the next batch began about now
                 self.batch_started = flushed
             try:
@@ -282,17 +284,17 @@ class Session(Receiving):
             if flushed:
                 spans += [(f"issue {n} records", P.CLIENT, 0, started, flushed, 0),
                           (f"flush {n} records", P.CLIENT, 1, flushed, time.time_ns(), 0)]
-        self.unmarked += weight or n
+        self.unmarked += buffered + weight
         if self.unmarked * MARKS >= self.inflight_bound:
             self._mark()
 
     def send_batch(self, batch: list, weight: int = 0) -> None:
-        """Sends ``batch`` (records made at once: a replayed step's) as one frame, after what
-        is buffered; flow control counts it as ``weight`` records (a Step record stands for
-        its step's)."""
+        """Sends what is buffered and then ``batch`` (records made at once: a replayed step's)
+        as one frame; flow control counts ``batch`` as ``weight`` records (a Step record
+        stands for its step's). One frame, not two: the controller's cost per batch is paid
+        once (a step's inputs are placed just before it)."""
         with self._flush_lock:
-            self._flush_locked(True)
-            self._flush_locked(True, batch, weight)
+            self._flush_locked(True, batch, weight or len(batch))
 
     def _take_unsendable(self, batch: list) -> list:
         """The records of ``batch`` that serialize; each other one becomes an error raised at
