@@ -61,9 +61,13 @@ class Child:
         return time.monotonic() - self.last_beat
 
     def is_silent(self) -> bool:
-        """Silent past ``config.heartbeat_timeout_s``: stopped, hung or gone."""
-        allowance = 0.0 if self.loaded else STARTUP_ALLOWANCE_S
-        return self.silence() > config.heartbeat_timeout_s + allowance
+        """Silent past ``config.heartbeat_timeout_s``: stopped, hung or gone. Beats waiting in
+        the pipe are read first: the reader may not have run for a while (another of its
+        process's threads held the GIL that long: a full garbage collection of a large heap),
+        and they say the child was not silent. An exit is not silence: the reader's poll of the
+        pipe tells it."""
+        limit = config.heartbeat_timeout_s + (0.0 if self.loaded else STARTUP_ALLOWANCE_S)
+        return self.silence() > limit and self.read_life() and self.silence() > limit
 
     def describe_exit(self) -> str:
         code = self.popen.poll()
