@@ -18,7 +18,7 @@ import sys
 import time
 
 import torch
-from bench_train import data, hf_model
+from bench_train import llama_step
 from proccpu import CpuMeter
 
 
@@ -26,38 +26,10 @@ def cpu_per_step(devices: int, rounds: int, replayed_step: bool) -> dict:
     """CPU seconds per step by role, over ``rounds`` steps after warm-ups (six: a replayed
     step learns for four calls), and the median step's wall seconds (``wall``)."""
     import dtorch
-    from dtorch.models.llama import LlamaForCausalLM
 
     dtorch.shutdown()
     dtorch.config.cpu_hosts = devices
-    hf = hf_model()
-    mesh = dtorch.init_device_mesh("cpu", (devices,), mesh_dim_names=["dp"])
-    model = LlamaForCausalLM(hf.config, device_mesh=mesh)
-    model.load_state_dict(hf.state_dict())
-    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k))
-
-    def train(inputs, target):
-        loss = dtorch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    if replayed_step:
-        train = dtorch.replayed_step(train)
-
-    def step(k):
-        ids, labels = data(k)
-        inputs = model.place_tokens(ids)
-        target = dtorch.from_torch(labels, device_mesh=inputs.device_mesh,
-                                   placements=inputs.placements)
-        loss = train(inputs, target)
-        schedule.step()
-        return loss.item()
-
-    for k in range(6):
-        step(k - 6)
+    step, train = llama_step((devices,), replayed=replayed_step, schedule=True)
     meter, walls = CpuMeter(), []
     meter.start()
     for k in range(rounds):
@@ -105,8 +77,6 @@ def line(label: str, shares: dict) -> str:
 
 
 def main(rounds: int, devices: int) -> None:
-    import torch
-
     print(f"CPU per training step, dp{devices} (small Llama, AdamW), {rounds} steps, "
           f"{torch.get_num_threads()} torch threads:")
     before = cpu_per_step(devices, rounds, replayed_step=False)

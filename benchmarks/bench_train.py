@@ -79,18 +79,15 @@ def cpu_line(shares: dict, copies: int = 1) -> str:
     return f"{parts}{f' (x{copies} ranks)' if copies > 1 else ''} = {total:.0f} ms in all"
 
 
-def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0,
-                     meter=None, replayed: bool = False) -> float:
-    """One host process per device (each ``cpu_count / devices`` torch threads), in a runtime
-    of its own. ``beside(k)``: a step of the baseline, timed in alternation with dtorch's
-    (returns both medians). ``zero_stage=3`` shards the model first (``fully_shard``);
-    ``meter``: see ``timed``; ``replayed``: the step under ``dtorch.replayed_step``, after the
-    calls it learns in."""
+def llama_step(mesh_shape, zero_stage: int = 0, replayed: bool = False,
+               schedule: bool = False):
+    """``(step(k), train)``: one training step of the Llama on a ``dp`` mesh of the running
+    runtime (``step(k)`` places batch ``k``, trains, reads the loss; ``train`` is the part under
+    ``dtorch.replayed_step`` when ``replayed``, learnt in the 6 warm-up steps run here). ``zero_stage=3``
+    shards the model first (``fully_shard``); ``schedule``: a LambdaLR changes the learning
+    rate every step."""
     import dtorch
     from dtorch.models.llama import LlamaForCausalLM
-
-    dtorch.shutdown()
-    dtorch.config.cpu_hosts = mesh_shape[0]
 
     hf = hf_model()
     mesh = dtorch.init_device_mesh("cpu", mesh_shape, mesh_dim_names=["dp"])
@@ -101,6 +98,7 @@ def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0,
             dtorch.nn.fully_shard(layer)
         dtorch.nn.fully_shard(model)
     opt = dtorch.optim.AdamW(model.parameters(), lr=1e-3, zero_stage=zero_stage)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k)) if schedule else None
 
     def train(inputs, target):
         loss = dtorch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), target)
@@ -117,10 +115,28 @@ def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0,
         inputs = model.place_tokens(ids)
         target = dtorch.from_torch(labels, device_mesh=inputs.device_mesh,
                                    placements=inputs.placements)
-        return train(inputs, target).item()
+        loss = train(inputs, target)
+        if sched is not None:
+            sched.step()
+        return loss.item()
 
-    for k in range(6 if replayed else 0):
+    for k in range(6):  # warm-ups, as many either way (a replayed step learns in 4 calls)
         step(k - 8)
+    return step, train
+
+
+def dtorch_step_time(mesh_shape, rounds: int, beside=None, zero_stage: int = 0,
+                     meter=None, replayed: bool = False) -> float:
+    """One host process per device (each ``cpu_count / devices`` torch threads), in a runtime
+    of its own. ``beside(k)``: a step of the baseline, timed in alternation with dtorch's
+    (returns both medians). ``zero_stage=3`` shards the model first (``fully_shard``);
+    ``meter``: see ``timed``; ``replayed``: the step under ``dtorch.replayed_step``, after the
+    calls it learns in."""
+    import dtorch
+
+    dtorch.shutdown()
+    dtorch.config.cpu_hosts = mesh_shape[0]
+    step, _ = llama_step(mesh_shape, zero_stage, replayed)
     if beside is None:
         seconds = timed(step, rounds, meter)
     else:

@@ -139,8 +139,8 @@ class _Call:
     """One learning call, canonical (``_observe``): ``form`` (its records and outputs, as
     compared), ``made`` (its made ids, by index), what the template needs of it."""
 
-    def __init__(self, form, made, entries, dynamic, outputs, alive, released_prev, externals):
-        self.form, self.made, self.entries, self.dynamic = form, made, entries, dynamic
+    def __init__(self, form, made, entries, outputs, alive, released_prev, externals):
+        self.form, self.made, self.entries = form, made, entries
         self.outputs, self.alive, self.released_prev = outputs, alive, released_prev
         self.externals = externals
 
@@ -247,8 +247,7 @@ def _observe(s, watch: _Watch, args: dict, prev: dict, out_leaves: list) -> _Cal
     released_prev = {r for r in released if r.kind == "p"}
     form.append(("outputs", tuple(o[0] if type(o[0]) is Hole else o for o in outputs),
                  tuple(sorted(r.k for r in alive))))
-    return _Call(tuple(form), made_ids, entries, dynamic, outputs, alive, released_prev,
-                 externals)
+    return _Call(tuple(form), made_ids, entries, outputs, alive, released_prev, externals)
 
 
 _WHAT = {P.FETCH: "reads a value (a fetch: .item(), .tolist(), to_torch)",
@@ -273,8 +272,9 @@ class Template:
 
     def __init__(self, s, call: _Call, arg_key, out_spec, n_args: int, template_id: int):
         self.session, self.arg_key = s, arg_key
-        self.n_made = self.n_prev = len(call.made)  # (the previous call's form was the same)
-        base = {"m": 0, "p": self.n_made, "a": self.n_made + self.n_prev}
+        # a Step's ids: made, the previous call's made (as many: its form was the same), args
+        self.n_made = len(call.made)
+        base = {"m": 0, "p": self.n_made, "a": 2 * self.n_made}
         entries, self.providers = [], []
         for e in call.entries:
             if type(e) is Hole:
@@ -415,9 +415,9 @@ class ReplayedStep:
         watch = _Watch(s)
         s.watch = _local.watch = watch
         try:
-            out_leaves, self.out_spec = pytree.tree_flatten(self.fn(*args, **kwargs))
+            out_leaves, out_spec = pytree.tree_flatten(self.fn(*args, **kwargs))
             out_leaves = [_without_history(t) for t in out_leaves]
-            result = pytree.tree_unflatten(out_leaves, self.out_spec)
+            result = pytree.tree_unflatten(out_leaves, out_spec)
             gc.collect()  # this call's garbage: its drops are the call's records
         finally:
             s.watch = _local.watch = None
@@ -434,7 +434,7 @@ class ReplayedStep:
             try:
                 if call.released_prev != {Hole("p", r.k) for r in prev.alive}:
                     raise Unfit("it leaves made tensors the next call does not drop")
-                self.template = Template(s, call, key, self.out_spec,
+                self.template = Template(s, call, key, out_spec,
                                          sum(isinstance(t, Tensor) for t in leaves),
                                          self.template_id)
             except Unfit as e:
