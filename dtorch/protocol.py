@@ -102,6 +102,7 @@ STORE_REQUEST, STORE_REPLY, CLUSTER_QUERY, CLUSTER_INFO = range(26, 30)
 DEFINE_PROGRAM, REPLAY = 30, 31
 RECORDED = 32
 DEFINE_STEP, STEP = 33, 34
+DEFINE_HOST_STEP, HOST_STEP = 35, 36
 
 # the first frame of what the main controller sends a node agent: a batch it relays to its
 # hosts without decoding it, or a control record for the agent itself
@@ -198,9 +199,50 @@ class DefineStep(NamedTuple):
     entries: list
 
 
+class DefineHostStep(NamedTuple):
+    """What the hosts get for a replayed step that the controller has learnt to lower from
+    its Step record alone (``controller/step_lowering.py``): the records with holes
+    (``entries``), sent once; each replay is then one HostStep record, whose values fill the
+    holes (``host_step_records``). An entry is ``[kind, fields, holes]``: a record (RECORD)
+    ``fields`` with ``holes`` ``[[place, value index], ...]``; a release (RELEASE) its id, or
+    (holes >= 0) the value at that index; a chain (CHAIN_ENTRY) ``fields`` its kernels as
+    ``[fields, holes]``."""
+
+    tag: int
+    id: int
+    entries: list
+
+
+RECORD_ENTRY, RELEASE_ENTRY, CHAIN_ENTRY = 0, 1, 2  # a DefineHostStep entry's kind
+
+
+def host_step_records(entries, values) -> list:
+    """The records a HostStep stands for: ``entries`` (``DefineHostStep``) with ``values``."""
+    out = []
+    for kind, fields, holes in entries:
+        if kind == RELEASE_ENTRY:
+            out.append(fields if holes < 0 else values[holes])
+        elif kind == RECORD_ENTRY:
+            rec = list(fields)
+            for k, j in holes:
+                rec[k] = values[j]
+            out.append(rec)
+        else:
+            chain = [CHAIN]
+            for member, member_holes in fields:
+                rec = list(member)
+                for k, j in member_holes:
+                    rec[k] = values[j]
+                chain.append(rec)
+            out.append(chain)
+    return out
+
+
 # Step:   (STEP, template, *ids, *dynamic scalars)   client -> controller, alone in its batch
 #         one replay of a DefineStep: its ids (made, the previous replay's made, the
 #         arguments' ids) and the scalars that change (an optimizer's step counts and rate)
+# HostStep: (HOST_STEP, definition, *ids, *dynamic scalars, *temporaries)  controller -> hosts
+#         a Step the controller lowered from the record alone (``DefineHostStep``)
 # Replay: (REPLAY, program, *outside ids, *result ids, *scalar values)   controller -> hosts
 #         one window of a DefineProgram's shape, its ids and values bound in order
 # Op:     (OP, call, site, graph, *outs, *operands)   client -> controller

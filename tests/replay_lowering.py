@@ -9,7 +9,7 @@ record (each REPLAY expanded by its program's definition) and the stream state t
 from __future__ import annotations
 
 import copy
-from collections import Counter
+from collections import Counter, deque
 
 from dtorch import protocol as P
 from dtorch.controller.logical_graph import LogicalGraph
@@ -270,11 +270,18 @@ def lower(batches, hold):
 
 def expand(g, records) -> list:
     """``records`` with each REPLAY replaced by what it stands for: its program's kernels with
-    this window's ids and scalars, then the releases it makes (``runtime/program.expand``)."""
-    programs, out = {}, []
-    for rec in records:
+    this window's ids and scalars, then the releases it makes (``runtime/program.expand``);
+    each HOST_STEP by its records (``P.host_step_records``), expanded in turn."""
+    programs, steps, out = {}, {}, []
+    records = deque(records)
+    while records:
+        rec = records.popleft()
         if type(rec) is not int and rec[0] == P.DEFINE_PROGRAM:
             programs[rec[1]] = P.DefineProgram(*rec)
+        elif type(rec) is not int and rec[0] == P.DEFINE_HOST_STEP:
+            steps[rec[1]] = P.DefineHostStep(*rec).entries
+        elif type(rec) is not int and rec[0] == P.HOST_STEP:  # (its records may hold REPLAYs)
+            records.extendleft(reversed(P.host_step_records(steps[rec[1]], rec[2:])))
         elif type(rec) is not int and rec[0] == P.REPLAY:
             d = programs[rec[1]]
             outside = rec[2:2 + d.n_outside]

@@ -32,11 +32,11 @@ def data(n, rows=7, seed=0):
 
 
 def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, change=None,
-             zero_stage: int = 0, adam: bool = False):
+             zero_stage: int = 0, adam: bool = False, spans: list | None = None):
     """The MLP of test_training (column- then row-parallel on tp) trained on dp with SGD
     (momentum, weight decay), gradients clipped, and a step-decay schedule; per step: the loss
-    the step returned,
-    and the weights, gradients and momentum buffers after it (as torch tensors)."""
+    the step returned, and the weights, gradients and momentum buffers after it (as torch
+    tensors). ``spans``: gets the controller's spans of each step's batches."""
     from test_training import MLP, TorchMLP
 
     model = MLP(grid)
@@ -70,7 +70,13 @@ def mlp_loop(grid, replayed: bool, steps: int = 9, zero_first: bool = False, cha
             change(k, opt)
         x = dtorch.from_torch(x, device_mesh=grid, placements=[S0, R])
         y = dtorch.from_torch(y, device_mesh=grid, placements=[S0, R])
-        loss = step(x, y)
+        if spans is None:
+            loss = step(x, y)
+        else:
+            with dtorch.profiler.profile() as prof:
+                loss = step(x, y)
+            spans.append([e["name"] for e in prof.events if e.get("pid") == CONTROLLER_PID
+                          and e["name"].startswith("passes: ")])
         sched.step()
         seen.append({"loss": loss,
                      **{n: p.to_torch() for n, p in model.named_parameters()},
@@ -104,6 +110,22 @@ def test_data_and_tensor_parallel_steps_replay_with_the_values_of_python(grid, z
                                  zero_stage=zero_stage, adam=adam)
     assert replays >= 9 - 4, replays  # learnt within 4 calls (the first makes the momenta)
     assert_same(replayed, plain)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_steps_with_collectives_are_lowered_from_their_record(grid, zero_stage):
+    """Once the client replays and the controller has seen two Steps lowered alike, each
+    Step is one record to the hosts (its lowering learnt, ``controller/step_lowering.py``);
+    every step's values still equal the loop run as Python, bit for bit."""
+    plain, _ = mlp_loop(grid, replayed=False, steps=12, zero_stage=zero_stage)
+    spans: list = []
+    replayed, replays = mlp_loop(grid, replayed=True, steps=12, zero_stage=zero_stage,
+                                 spans=spans)
+    assert_same(replayed, plain)
+    lowered = ["a step lowered from its record" in " ".join(names) for names in spans]
+    # the client learns in 4 calls (the first makes the momenta), the controller watches
+    # two Steps lowered alike
+    assert replays == 12 - 4 and lowered == [False] * 6 + [True] * 6, spans
 
 
 def test_replayed_mlp_trains_as_torch(grid):

@@ -6,13 +6,13 @@ from the Step record without expanding it, and declines to where ids repeat or t
 state would need a wait."""
 
 import pytest
+from replay_lowering import call_id, expand, make_graph, normalized, run_passes, stream_state
 
-from dtorch import config, protocol as P
+from dtorch import config
+from dtorch import protocol as P
 from dtorch.controller.main import Controller
 from dtorch.controller.replay import Replayer
 from dtorch.controller.step_templates import StepTemplate
-from replay_lowering import (call_id, expand, make_graph, normalized, run_passes,
-                             stream_state)
 
 W, OTHER = 10, 11  # a parameter, and a tensor written elsewhere, made before the steps
 MADE = 5  # per step: the tape key, the kept forward's result, its product, the gradient, loss
@@ -110,20 +110,110 @@ def test_a_step_that_must_wait_is_expanded_and_lowered_with_the_wait():
     assert any(type(r) is not int and r[0] == P.WAIT for r in expected)
 
 
-@pytest.mark.parametrize("at", range(2, 9))
-def test_a_step_that_cannot_be_one_window_lowers_as_any_batch(at):
-    """A collective inside the step: no program; every step is expanded."""
-    t = template()
-    t.insert(at, [[P.OP, call_id("all_reduce_", 1), 8, 0, W, W], [], []])
-    g, h = make_graph(), make_graph()
+def lowered_steps(t, records_of_steps, before=(), graph=make_graph, n_ids=2 * MADE + 1):
+    """The real controller's output for a DefineStep of ``t`` and these steps, and the
+    reference's (each step expanded and lowered by the passes alone, no replay)."""
+    g, h = graph(), graph()
     real = Replayer(g, run_passes(g), Controller.encode)
-    st = StepTemplate([P.DEFINE_STEP, 1, 2 * MADE + 1, t])
+    st = StepTemplate([P.DEFINE_STEP, 1, n_ids, t])
     out, expected = [], []
     reference = Replayer(h, run_passes(h), Controller.encode)
-    for ids, rates in steps(5):
+    for k, (ids, rates) in enumerate(records_of_steps):
+        for batch in dict(before).get(k, []):
+            real.run([list(r) if type(r) is not int else r for r in batch], out)
+            reference.run([list(r) if type(r) is not int else r for r in batch], expected)
         real.run_step(st, [P.STEP, 1, *ids, *rates], out)
         with config.Context(replay=False):
-            reference.run(StepTemplate([P.DEFINE_STEP, 1, 2 * MADE + 1, t]).expand(ids, rates),
+            reference.run(StepTemplate([P.DEFINE_STEP, 1, n_ids, t]).expand(ids, rates),
                           expected)
+    return out, expected, g, h, real, st
+
+
+def tagged(records, tag) -> int:
+    return sum(1 for r in records if type(r) is not int and r[0] == tag)
+
+
+def with_collective(at: int) -> list:
+    t = template()
+    t.insert(at, [[P.OP, call_id("all_reduce_", 1), 8, 0, W, W], [], []])
+    return t
+
+
+@pytest.mark.parametrize("at", range(2, 9))
+def test_a_step_with_a_collective_is_lowered_once_then_made_from_its_record(at):
+    """A collective inside the step, at each place: no program; the step's lowering is
+    watched for two steps alike (the first two differ: no previous step, a first wait), then
+    each Step is one HostStep record, the stream state moved on as the passes would."""
+    out, expected, g, h, real, st = lowered_steps(with_collective(at), steps(8))
     assert_alike(out, expected, g, h)
     assert st.whole is False and st.fast is None
+    assert real.replayed_steps == 4 and tagged(out, P.HOST_STEP) == 4
+    assert tagged(out, P.DEFINE_HOST_STEP) == 1
+    assert [r for r in g.definitions if r[0] == P.DEFINE_HOST_STEP]  # for hosts that start late
+    assert any(type(r) is not int and r[0] == P.WAIT for r in expected)
+
+
+def test_a_stream_state_of_another_shape_lowers_that_step_with_its_waits():
+    """Before step 6 a collective writes W on the communication stream: the step must wait
+    for it first, which the learnt lowering does not; that step alone is expanded."""
+    collective = [[P.OP, call_id("all_reduce_", 1), 9, 0, W, W]]
+    out, expected, g, h, real, _ = lowered_steps(with_collective(4), steps(9),
+                                                  before={6: [collective]})
+    assert_alike(out, expected, g, h)
+    assert real.replayed_steps == 9 - 4 - 1
+    assert tagged(out, P.WAIT) > tagged(lowered_steps(with_collective(4), steps(9))[0],
+                                        P.WAIT)
+
+
+def test_an_id_a_step_fixes_given_again_is_expanded():
+    """A step whose argument is the parameter itself: the lowering names W once. That step
+    reads W last, so the next one finds W's storage in another state and is expanded too."""
+    records = steps(10)
+    ids, rates = records[6]
+    records[6] = (ids[:-1] + [W], rates)
+    out, expected, g, h, real, _ = lowered_steps(with_collective(4), records)
+    assert_alike(out, expected, g, h)
+    assert real.replayed_steps == 10 - 4 - 2
+
+
+GRID, S0_R, R_S0 = 3, 60, 61  # a 2 x 2 mesh; a spec sharded on its first dim, one on its second
+REDISTRIBUTE, SCALE, SCALE_ = 70, 71, 72
+
+
+def grid_graph():
+    g = make_graph()
+    g.define([P.DEFINE_MESH, GRID, "cpu", [2, 2], [0, 1, 2, 3]])
+    g.define([P.DEFINE_SPEC, S0_R, [4, 4], "float32", GRID, ["S0", "R"]])
+    g.define([P.DEFINE_SPEC, R_S0, [4, 4], "float32", GRID, ["R", "S0"]])
+    g.define([P.DEFINE_CALL, REDISTRIBUTE, None, [S0_R], [R_S0], b"", 0,
+              P.CallKind.REDISTRIBUTE])
+    g.define([P.DEFINE_CALL, SCALE, "mul", [R_S0, 0], [R_S0], b"", 0, P.CallKind.OPERATOR])
+    g.define([P.DEFINE_CALL, SCALE_, "mul_", [S0_R, 0], [S0_R], b"", P.INPLACE,
+              P.CallKind.OPERATOR])
+    return g
+
+
+def test_a_redistribute_in_a_step_gets_fresh_temporaries_each_step():
+    """W laid out again (an all-gather into a temporary the controller makes, then a chunk),
+    scaled by a rate that changes, W written in place: each HostStep brings new temporaries,
+    and the records equal the passes' with the reference's own temporaries."""
+    hole = 0
+    t = [
+        [[P.OP, REDISTRIBUTE, 1, 0, hole, W], [[4, 0]], []],
+        [[P.OP, SCALE, 2, 0, hole, hole, hole], [[4, 1], [5, 0]], [6]],
+        0,
+        [[P.OP, SCALE_, 3, 0, W, W, 0.5], [], []],
+        2,  # the previous step's product
+    ]
+    records, prev = [], 999
+    for k in range(8):
+        records.append(([1000 + 10 * k, 1001 + 10 * k, prev], [0.1 * (k + 1)]))
+        prev = 1001 + 10 * k
+    out, expected, g, h, real, _ = lowered_steps(t, records, graph=grid_graph, n_ids=3)
+    assert real.replayed_steps == 4
+    temps = [r[2 + 3 + 1:] for r in out if type(r) is not int and r[0] == P.HOST_STEP]
+    assert all(len(x) == 1 for x in temps) and len({x[0] for x in temps}) == 4
+    assert g.next_temp == h.next_temp  # the same temporaries: the records compare as they are
+    initial = {W, 999}
+    assert normalized(g, expand(g, out), initial) == normalized(h, expected, initial)
+    assert stream_state(g) == stream_state(h)

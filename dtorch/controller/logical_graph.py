@@ -96,7 +96,7 @@ class LogicalGraph:
         self.calls: dict = {}
         self.step_calls: dict = {}  # (op, in spec id, out spec id, static) -> CallInfo
         self.definitions: list = []  # every Define* record, for hosts that start late
-        self._temp_ids = itertools.count(-1, -1)  # controller-made operands and specs
+        self.next_temp = -1  # the next controller-made operand's or spec's id (counting down)
         self._call_ids = itertools.count(-1, -1)
         self._scopes: dict = {}  # frozenset of (device type, device) -> small int
         self.streams = StreamOrder()
@@ -130,7 +130,7 @@ class LogicalGraph:
         """Id of a spec the controller made (defined to the hosts through ``out``)."""
         i = self.spec_ids.get(spec)
         if i is None:
-            i = next(self._temp_ids)
+            i = self.temp_id()
             rec = list(P.define_spec(i, spec, spec.mesh.wire_id))
             self.define(rec)
             out.append(rec)
@@ -151,4 +151,5 @@ class LogicalGraph:
         return call
 
     def temp_id(self) -> int:
-        return next(self._temp_ids)
+        i, self.next_temp = self.next_temp, self.next_temp - 1
+        return i

@@ -43,6 +43,7 @@ from .. import config, protocol as P
 from ..protocol import COMM, INPLACE, RECORD, RECORDED
 from .logical_graph import Operator
 from .passes import Chain
+from .step_lowering import StepLowering
 from .streams import Footprint, compute_stream
 
 MIN_WINDOW = 128  # records: shorter windows of a short period cost more per record than they save
@@ -277,6 +278,8 @@ class Replayer:
         self.segments_seen: set = set()  # segment shapes seen once (``segment``)
         self.lowered_windows = 0  # windows lowered so far (``learn``), and replayed
         self.replayed_windows = 0
+        self.replayed_steps = 0  # Steps made from their record (``step_lowering``)
+        self.arity: dict = {}  # program id -> how many ids a REPLAY of it names
 
     def run(self, records: list, out: list, hold: bool = False) -> None:
         """Appends the host records of a batch's ``records`` (definitions taken out; operators
@@ -347,11 +350,14 @@ class Replayer:
             if bound is not None and self.advance(*bound[:3]):
                 self.emit_replay(*bound, out)
                 return
+        if not (config.replay and template.whole):
+            self.run_lowered_step(template, ids, dynamic, out)
+            return
         records = template.expand(ids, dynamic)
-        graph = self.graph_of(records) if config.replay and template.whole else None
+        graph = self.graph_of(records)
         if graph is None:
             template.whole = False
-            self.run(records, out)
+            self.run_lowered_step(template, ids, dynamic, out)
             return
         pending: list = []
         program, binding = self.take_window(records, graph, SEGMENT, pending, out)
@@ -360,6 +366,22 @@ class Replayer:
             template.learn(self.graph.calls, program, ids, dynamic, *binding)
         elif binding is not None:  # lowered, and no program: a view outlives the step
             template.whole = False
+
+    def run_lowered_step(self, template, ids: list, dynamic: list, out: list) -> None:
+        """A Step that is not one window: the hosts' records of its lowering made from the
+        record once learnt (``step_lowering``), else its records expanded and lowered."""
+        if not config.replay:
+            self.run(template.expand(ids, dynamic), out)
+            return
+        lowering = template.lowering
+        if lowering is None:
+            lowering = template.lowering = StepLowering(template, self.graph.calls)
+        if lowering.learnt is not None and lowering.replay(self.graph, ids, dynamic, out):
+            self.replayed += lowering.learnt[-1]
+            self.replayed_windows += lowering.learnt[-1]
+            self.replayed_steps += 1
+            return
+        lowering.observe(self, ids, dynamic, out)
 
     def first_sight(self, key) -> bool:
         """Whether a segment of shape ``key`` is seen for the first time: a batch that does not
@@ -449,12 +471,14 @@ class Replayer:
         released = {r for r in window if type(r) is int}
         if len(self.programs) >= MAX_PROGRAMS:
             self.programs.clear()
+            self.arity.clear()
         footprint = Footprint.of(stream, kernels, outside, made, released)
         if footprint is None:  # a view left alive: lowered as usual
             self.programs[key] = UNFIT
             return None
         program = LoweredWindow(next(self.program_ids), footprint)
         self.programs[key] = program
+        self.arity[program.id] = len(outside) + len(made)
         self.lowered_windows += 1
         definition = list(P.DefineProgram(
             P.DEFINE_PROGRAM, program.id, len(outside), len(made), n_scalars, steps,

@@ -28,6 +28,7 @@ class StepTemplate:
         self.id, self.n_ids, self.entries = d.id, d.n_ids, d.entries
         self.whole = True
         self.fast = None
+        self.lowering = None  # when it is not one window: ``step_lowering.StepLowering``
 
     def split(self, rec) -> tuple:
         """A Step record's ids and dynamic scalars."""

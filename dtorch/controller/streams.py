@@ -22,6 +22,7 @@ window's first lowering left (``replay``), and it leaves the state the pass woul
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 from ..protocol import INPLACE, VIEW, WRITES, written
@@ -133,6 +134,22 @@ class Footprint(NamedTuple):
         return cls(stream, len(kernels), inputs,
                    frozenset(number[t] for t in released if t in number),
                    tuple((k, wrote[made[k]], last[made[k]]) for k in survivors))
+
+
+ZERO = [0]  # the positions held on a stream never used: none (a missing one reads as 0)
+
+
+class Projection(NamedTuple):
+    """Part of the stream state (``StreamOrder.project``): its ``shape`` (comparable), the
+    ``slots`` its positions fill, each stream's ``values`` (its positions held, sorted, 0
+    among them), the storage keys it reached that are not names (``externals``), and each
+    stream's position (``top``)."""
+
+    shape: tuple
+    slots: list
+    values: dict
+    externals: tuple
+    top: dict
 
 
 class StreamOrder:
@@ -331,6 +348,110 @@ class StreamOrder:
                     for scope in access.scopes):
                 return False
         return True
+
+
+    # -- a whole batch's effect, learnt once (``controller/step_lowering.py``) ------------------
+    def project(self, names: list, externals: tuple = ()) -> Projection:
+        """The part of the state the pass reads and writes for a batch whose tensors are
+        ``names`` (distinct ids): each name's view, the storages the names and their views
+        reach, those of ``externals`` (storage keys), the streams' positions and ``covered``,
+        each position a slot ``(stream, position)``. The pass only compares positions on one
+        stream, and makes new ones past a stream's end, so it decides alike on two states
+        whose ``shape`` is equal: their structure, with each slot's rank on its stream."""
+        index = {i: k for k, i in enumerate(names)}
+        externals = list(externals)
+        named = {key: -1 - j for j, key in enumerate(externals)}  # storage key -> its name
+        slots = []
+
+        def slot(t: int, p: int) -> int:
+            slots.append((t, p))
+            return len(slots) - 1
+
+        def storage_name(key) -> int:  # a name's index, or -1 - j: the j-th external
+            n = named.get(key)
+            if n is None:
+                n = index.get(key)
+                if n is None:
+                    n = -1 - len(externals)
+                    externals.append(key)
+                named[key] = n
+            return n
+
+        views = []
+        for i in names:
+            view = self.roots.get(i)
+            if view is None:
+                storage_name(i)
+                views.append(None)
+            else:
+                views.append((storage_name(view.storage), view.stream,
+                              slot(view.stream, view.position), view.scope))
+        storages = []
+        for key, n in list(named.items()):
+            m = self.storages.get(key)
+            storages.append((n, None if m is None else (
+                m.writer, slot(m.writer, m.written), slot(m.writer, m.last),
+                None if m.others is None else tuple((t, slot(t, p))
+                                                    for t, p in m.others.items()),
+                m.views)))
+        position = tuple((t, slot(t, p)) for t, p in sorted(self.position.items()))
+        covered = tuple((key, tuple((t, slot(t, p)) for t, p in sorted(seen.items())))
+                        for key, seen in sorted(self.covered.items()))
+        values: dict = {}
+        for t, p in slots:
+            values.setdefault(t, {0}).add(p)
+        values = {t: sorted(v) for t, v in values.items()}
+        ranks = tuple((t, bisect.bisect_left(values[t], p)) for t, p in slots)
+        return Projection((tuple(views), tuple(storages), position, covered, ranks),
+                          slots, values, tuple(externals), dict(self.position))
+
+    @staticmethod
+    def moves(before: Projection, after: Projection) -> tuple | None:
+        """What a batch did to the state, from projections ``before`` and after it (``after``
+        over the names of ``before`` and those the batch made, its externals seeded with
+        ``before``'s), as ``restore`` takes it: each slot after as a new position (an offset
+        past its stream's end before) or as the rank of one the state held before. None when
+        a slot is neither, or the batch reached a storage ``before`` did not."""
+        if after.externals != before.externals:
+            return None
+        slots = []
+        for t, p in after.slots:
+            top = before.top.get(t, 0)
+            if p > top:
+                slots.append((t, True, p - top))
+                continue
+            held = before.values.get(t, ZERO)
+            r = bisect.bisect_left(held, p)
+            if r == len(held) or held[r] != p:
+                return None
+            slots.append((t, False, r))
+        return after.shape[:4], tuple(slots)
+
+    def restore(self, moves: tuple, before: Projection, names: list) -> None:
+        """The state a batch with these ``moves`` leaves, from the state ``before`` projects
+        (its shape the one the moves were learnt from), its names now ``names``."""
+        (views, storages, position, covered), slots = moves
+        top, values, externals = before.top, before.values, before.externals
+        at = [top.get(t, 0) + v if new else values.get(t, ZERO)[v] for t, new, v in slots]
+        for n, state in storages:
+            key = names[n] if n >= 0 else externals[-1 - n]
+            if state is None:
+                self.storages.pop(key, None)
+                continue
+            writer, wrote, last, others, shared = state
+            m = self.storages[key] = Storage(writer, at[wrote], at[last])
+            if others is not None:
+                m.others = {t: at[k] for t, k in others}
+            m.views = shared
+        for i, view in zip(names, views):
+            if view is None:
+                self.roots.pop(i, None)
+            else:
+                n, stream, k, scope = view
+                self.roots[i] = View(names[n] if n >= 0 else externals[-1 - n], stream, at[k],
+                                     scope)
+        self.position.update((t, at[k]) for t, k in position)
+        self.covered = {key: {t: at[k] for t, k in seen} for key, seen in covered}
 
 
 def _join(after, t: int, pos: int) -> dict:

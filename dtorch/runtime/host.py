@@ -72,6 +72,7 @@ class Host:
         self.graphs: dict = {}  # tape node id -> {device: Saved} (autograd, runtime/vjp.py)
         self.recorded: dict = {}  # a recorded kernel's first result id -> (key, needs, gathered)
         self.programs: dict = {}  # replayed window shapes (runtime/program.py)
+        self.host_steps: dict = {}  # steps the controller lowered once (P.DefineHostStep)
         self.fuser = Fuser(self)  # their hot stretches, compiled (runtime/fusion.py)
         self._local: dict = {}  # mesh id -> local Devices
         self._store_path = None  # the rendezvous store's file (Welcome)
@@ -187,6 +188,18 @@ class Host:
 
     def on_define_program(self, rec) -> None:
         self.programs[P.DefineProgram(*rec).id] = HostProgram(self, rec)
+
+    def on_define_host_step(self, rec) -> None:
+        self.host_steps[rec[1]] = P.DefineHostStep(*rec).entries
+
+    def on_host_step(self, rec) -> None:
+        """A step the controller lowered from its Step record: its records, as if sent."""
+        handlers = self.HANDLERS
+        for r in P.host_step_records(self.host_steps[rec[1]], rec[2:]):
+            if type(r) is int:
+                self.on_release(r)
+            else:
+                handlers[r[0]](self, r)
 
     def on_replay(self, rec) -> None:
         """A window of a program's shape: one task per local device, its outside inputs' blobs
@@ -383,6 +396,8 @@ class Host:
         P.TRACE: on_trace,
         P.DEFINE_PROGRAM: on_define_program,
         P.REPLAY: on_replay,
+        P.DEFINE_HOST_STEP: on_define_host_step,
+        P.HOST_STEP: on_host_step,
     }
 
     # -- main loop ------------------------------------------------------------------------------
