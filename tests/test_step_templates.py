@@ -8,8 +8,7 @@ state would need a wait."""
 import pytest
 from replay_lowering import call_id, expand, make_graph, normalized, run_passes, stream_state
 
-from dtorch import config
-from dtorch import protocol as P
+from dtorch import config, protocol as P
 from dtorch.controller.main import Controller
 from dtorch.controller.replay import Replayer
 from dtorch.controller.step_templates import StepTemplate
