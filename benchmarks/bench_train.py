@@ -9,7 +9,7 @@ Measured in this one invocation, medians over ``rounds`` steps after a warm-up:
 2. a dp2 mesh (2 devices, one host process each) against torch DDP and FSDP2
    (``fully_shard``) on 2 gloo ranks, each rank half the batch. Goal: faster than both. Each
    against its kind: dtorch's data parallelism (ZeRO-0, as Python and replayed) against DDP,
-   dtorch's ZeRO-3
+   dtorch's ZeRO-3 (as Python and replayed)
    (``dtorch.nn.fully_shard`` per layer and the root, ``zero_stage=3``) against FSDP2 (the same
    recipe); and, for the record, ZeRO-0 against FSDP2 as well.
 
@@ -200,9 +200,11 @@ def main(rounds: int) -> None:
     dp2 = dtorch_step_time((2,), rounds, meter=dp2_cpu)
     dp2_replayed = dtorch_step_time((2,), rounds, replayed=True)
     zero3 = dtorch_step_time((2,), rounds, zero_stage=3)
+    zero3_replayed = dtorch_step_time((2,), rounds, zero_stage=3, replayed=True)
     ddp_cpu = None
     for kind, rows in (("ddp", [("", dp2), ("replayed_step ", dp2_replayed)]),
-                       ("fsdp2", [("ZeRO-3 ", zero3), ("ZeRO-0 ", dp2)])):
+                       ("fsdp2", [("ZeRO-3 ", zero3), ("ZeRO-3 replayed ", zero3_replayed),
+                                  ("ZeRO-0 ", dp2)])):
         try:
             theirs, cpu = run_on_gloo_ranks(_rank_step, rounds, kind)
         except Exception as e:  # noqa: BLE001 - report what could not run

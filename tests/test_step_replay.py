@@ -475,3 +475,46 @@ def test_flow_control_counts_a_replay_as_its_records(one, monkeypatch):
         assert step.replays == 301  # (learnt in two calls)
         assert len(marks) >= 300 * 40 // 1000 - 1, len(marks)
     assert torch.equal(w.to_torch(), torch.full((4,), 303 * 20.0))
+
+
+def test_a_pipeline_step_replays_and_is_lowered_from_its_record():
+    """1F1B on dp2 x pp3 (stage-to-stage moves, each stage's gradients reduced once over dp
+    after its micro-batches accumulate) with AdamW: every step's losses and the weights after
+    equal the loop run as Python bit for bit, and the last steps are one record to the
+    hosts."""
+    from test_schedules import data as stage_data, dtorch_stages, loss_fn, torch_stages
+
+    meshes = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "pp"]).unbind("pp")
+
+    def run(replayed: bool):
+        stages = dtorch_stages(meshes, torch_stages())
+        opt = dtorch.optim.AdamW([p for s in stages for p in s.parameters()], lr=0.05)
+        schedule = dtorch.nn.Schedule1F1B(stages, 4, loss_fn=loss_fn)
+
+        def step(x, t):
+            losses = []
+            schedule.step(x, target=t, losses=losses)
+            opt.step()
+            opt.zero_grad()
+            return losses
+
+        if replayed:
+            step = dtorch.replayed_step(step)
+        seen, lowered = [], []
+        for k in range(10):
+            x, t = stage_data(10 + k)
+            with dtorch.profiler.profile() as prof:
+                losses = step(dtorch.from_torch(x, meshes[0], [S0]),
+                              dtorch.from_torch(t, meshes[-1], [S0]))
+            lowered.append(any("a step lowered from its record" in e["name"]
+                               for e in prof.events if e.get("pid") == CONTROLLER_PID))
+            seen.append([v.to_torch() for v in losses])
+        weights = [p.to_torch() for s in stages for p in s.parameters()]
+        return seen, weights, lowered, getattr(step, "replays", 0)
+
+    plain, plain_weights, _, _ = run(False)
+    seen, weights, lowered, replays = run(True)
+    assert replays == 10 - 4 and lowered == [False] * 6 + [True] * 4, lowered
+    for k, (a, b) in enumerate(zip(seen, plain)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), k
+    assert all(torch.equal(x, y) for x, y in zip(weights, plain_weights))

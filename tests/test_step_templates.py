@@ -164,6 +164,21 @@ def test_a_stream_state_of_another_shape_lowers_that_step_with_its_waits():
                                         P.WAIT)
 
 
+def test_a_state_that_changes_for_good_is_learnt_again_under_the_same_definition():
+    """From step 6 on a collective writes W before every step: steps 6 and 7 lower alike (with
+    the wait), so the lowering is learnt again, replacing the hosts' definition (one id; one
+    definition kept for hosts that start later), and steps 8 and 9 are made from it."""
+    collective = [[P.OP, call_id("all_reduce_", 1), 9, 0, W, W]]
+    out, expected, g, h, real, _ = lowered_steps(
+        with_collective(4), steps(10), before={k: [collective] for k in range(6, 10)})
+    assert_alike(out, expected, g, h)
+    assert real.replayed_steps == 4
+    defined = [r[1] for r in out if type(r) is not int and r[0] == P.DEFINE_HOST_STEP]
+    assert len(defined) == 2 and len(set(defined)) == 1
+    assert [r[1] for r in g.definitions if r[0] == P.DEFINE_HOST_STEP] == defined[:1]
+    assert [type(r) is not int and r[0] == P.HOST_STEP for r in out].count(True) == 4
+
+
 def test_an_id_a_step_fixes_given_again_is_expanded():
     """A step whose argument is the parameter itself: the lowering names W once. That step
     reads W last, so the next one finds W's storage in another state and is expanded too."""

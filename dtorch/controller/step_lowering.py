@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from .. import protocol as P
 
-LEARN_TRIES = 8  # observed expansions before a step that never repeats is left to the passes
+LEARN_TRIES = 8  # observed expansions in a row, none learnt or replayed, before a step that
+# never repeats is left to the passes
 RECORD, RELEASE, CHAIN = P.RECORD_ENTRY, P.RELEASE_ENTRY, P.CHAIN_ENTRY  # an entry's kind
 
 
@@ -77,12 +78,14 @@ class StepLowering:
         names += temps
         order.restore(moves, before, [names[k] for k in after_names])
         out.append([P.HOST_STEP, self.definition, *ids, *dynamic, *temps])
+        self.tries = 0
         return True
 
     # -- learning ----------------------------------------------------------------------------
     def observe(self, replayer, ids: list, dynamic: list, out: list) -> None:
         """Lowers a Step's expansion through ``replayer`` into ``out`` as any batch, and learns
-        from it while tries are left."""
+        from it while tries are left (``LEARN_TRIES``: a learnt or replayed Step gives them
+        back, so that a state that changes for good now and then is learnt again)."""
         template, graph = self.template, replayer.graph
         names = [*ids, *self.fixed]
         records = None
@@ -113,10 +116,14 @@ class StepLowering:
         n_replays = sum(1 for kind, fields, _ in entries if kind == RECORD and
                         fields[0] == P.REPLAY)
         seen = (before_names, before.shape, after_names, moves, entries, len(temps), n_replays)
-        if seen == self.seen:  # defined to the hosts (and to hosts that start later)
-            self.learnt = seen
-            self.definition = next(replayer.program_ids)
+        if seen == self.seen:  # defined to the hosts (and to hosts that start later); a
+            # relearnt lowering replaces the one before, under its id
+            self.learnt, self.tries = seen, 0
+            if not self.definition:
+                self.definition = next(replayer.program_ids)
             definition = [P.DEFINE_HOST_STEP, self.definition, entries]
+            graph.definitions[:] = [d for d in graph.definitions if d[0] != P.DEFINE_HOST_STEP
+                                    or d[1] != self.definition]
             graph.definitions.append(definition)
             out.append(definition)
         self.seen = seen

@@ -349,7 +349,6 @@ class StreamOrder:
                 return False
         return True
 
-
     # -- a whole batch's effect, learnt once (``controller/step_lowering.py``) ------------------
     def project(self, names: list, externals: tuple = ()) -> Projection:
         """The part of the state the pass reads and writes for a batch whose tensors are
