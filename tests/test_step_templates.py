@@ -6,12 +6,13 @@ from the Step record without expanding it, and declines to where ids repeat or t
 state would need a wait."""
 
 import pytest
-from replay_lowering import call_id, expand, make_graph, normalized, run_passes, stream_state
 
 from dtorch import config, protocol as P
 from dtorch.controller.main import Controller
 from dtorch.controller.replay import Replayer
 from dtorch.controller.step_templates import StepTemplate
+from replay_lowering import (call_id, expand, make_graph, normalized, run_passes,
+                             stream_state)
 
 W, OTHER = 10, 11  # a parameter, and a tensor written elsewhere, made before the steps
 MADE = 5  # per step: the tape key, the kept forward's result, its product, the gradient, loss
