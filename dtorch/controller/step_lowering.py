@@ -9,10 +9,11 @@ equal shapes there, equal decisions, waits included. So ``StepLowering`` watches
 of a step's expansions (``observe``): the records the hosts got, with each value a Step brought
 -- an id, a scalar it changes -- and each temporary the controller made (a redistribute's steps)
 found in them as a hole, and what the step did to the stream state (``StreamOrder.moves``).
-Two steps in a row alike in all three make it learnt, and the records with holes are defined to the hosts (``P.DefineHostStep``); from then
-on a Step whose stream state has the learnt shape (``replay``) is one HostStep record with its
-own values and fresh temporaries, and the state moved on as the passes would have: nothing
-expanded, no pass run, and the hosts fill the holes.
+Two steps in a row alike in all three make it learnt, and the records with holes are defined
+to the hosts (``P.DefineHostStep``); from then on a Step whose stream state has the learnt
+shape (``replay``) is one HostStep record with its own values and fresh temporaries, and the
+state moved on as the passes would have: nothing expanded, no pass run, and the hosts fill the
+holes.
 
 Where the Step's values sit in the lowered records: ids by place (a kernel's results and tensor
 operands, a release, a Recorded's tensor, a REPLAY's ids) and value (a Step's ids are distinct
@@ -103,8 +104,8 @@ class StepLowering:
         replayer.run(records, out)
         temps = list(range(first, graph.next_temp, -1))  # (temporaries count down)
         names += temps
-        made = {k for k, i in enumerate(names) if i in order.storages or i in order.roots}
-        after_names = sorted(made.union(before_names))
+        held = {k for k, i in enumerate(names) if i in order.storages or i in order.roots}
+        after_names = sorted(held.union(before_names))  # (those it released: gone after)
         after = order.project([names[k] for k in after_names], before.externals)
         moves = order.moves(before, after)
         entries = lowered_entries(out[start:], ids, len(dynamic), temps, graph.calls,
