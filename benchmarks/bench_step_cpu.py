@@ -54,26 +54,29 @@ def cpu_per_step(devices: int, rounds: int, replayed_step: bool) -> dict:
 
 
 def replayed(prof) -> tuple:
-    """``(records, windows replayed)`` of a profiled step's batches, from the controller's
-    spans (``passes: N records -> M[, K windows replayed]``)."""
+    """``(records, windows replayed, steps lowered from their record)`` of a profiled step's
+    batches, from the controller's spans (``passes: N records -> M[, K windows replayed][, a
+    step lowered from its record]``)."""
     from dtorch.profiler import CONTROLLER_PID
 
-    records = windows = 0
+    records = windows = steps = 0
     for e in prof.events:
         name = e.get("name", "")
         if e.get("pid") == CONTROLLER_PID and name.startswith("passes: "):
             records += int(name.split()[1])
             if "windows replayed" in name:
                 windows += int(name.split(", ")[1].split()[0])
-    return records, windows
+            steps += "a step lowered from its record" in name
+    return records, windows, steps
 
 
 def line(label: str, shares: dict) -> str:
     parts = ", ".join(f"{k} {shares.get(k, 0.0) * 1e3:7.1f}" for k in
                       ("client", "controller", "hosts"))
-    records, windows = shares["replay"]
+    records, windows, steps = shares["replay"]
     return (f"  {label:16s} {parts}  (ms per step; step {shares['wall'] * 1e3:6.1f} ms; "
-            f"{records} records a step, {windows} windows replayed)")
+            f"{records} records a step, {windows} windows replayed"
+            + (", lowered from its Step record" if steps else "") + ")")
 
 
 def main(rounds: int, devices: int) -> None:

@@ -58,7 +58,7 @@ class StepLowering:
         self.fixed = fixed_ids(template, calls)
         self.fixed_set = frozenset(self.fixed)
         self.seen = self.learnt = None
-        self.definition = 0  # its DefineHostStep's id, once learnt
+        self.definition = template.id  # its DefineHostStep's id
         self.tries = 0
 
     # -- a Step from the record alone -----------------------------------------------------------
@@ -117,11 +117,10 @@ class StepLowering:
         n_replays = sum(1 for kind, fields, _ in entries if kind == RECORD and
                         fields[0] == P.REPLAY)
         seen = (before_names, before.shape, after_names, moves, entries, len(temps), n_replays)
-        if seen == self.seen:  # defined to the hosts (and to hosts that start later); a
-            # relearnt lowering replaces the one before, under its id
+        if seen == self.seen:  # defined to the hosts (and to hosts that start later) under
+            # the template's id: a lowering learnt again, or a template the client learnt
+            # again, replaces the one before
             self.learnt, self.tries = seen, 0
-            if not self.definition:
-                self.definition = next(replayer.program_ids)
             definition = [P.DEFINE_HOST_STEP, self.definition, entries]
             graph.definitions[:] = [d for d in graph.definitions if d[0] != P.DEFINE_HOST_STEP
                                     or d[1] != self.definition]
