@@ -232,3 +232,31 @@ def test_a_redistribute_in_a_step_gets_fresh_temporaries_each_step():
     initial = {W, 999}
     assert normalized(g, expand(g, out), initial) == normalized(h, expected, initial)
     assert stream_state(g) == stream_state(h)
+
+
+def test_a_view_kept_to_the_next_step_and_released_there():
+    """Each step makes Y and a view V of it, both kept to the next step (Y's storage counts
+    V), which reads the previous V and releases both: the state restored holds the views and
+    drops them with their storage as the passes do."""
+    hole = 0
+    y, v, prev_y, prev_v, arg = range(5)
+    t = [
+        [[P.OP, call_id("mul", 1), 1, 0, hole, W, 2.0], [[4, y]], []],
+        [[P.OP, call_id("t", 1), 2, 0, hole, hole], [[4, v], [5, y]], []],
+        [[P.OP, call_id("add_", 1), 3, 0, hole, hole, hole], [[4, arg], [5, arg], [6, prev_v]],
+         []],
+        prev_v,
+        prev_y,
+        [[P.OP, call_id("all_reduce_", 1), 4, 0, W, W], [], []],
+    ]
+    records, prev = [], [998, 999]
+    for k in range(8):
+        made = [1000 + 10 * k, 1001 + 10 * k]
+        records.append(([*made, *prev, 1009 + 10 * k], []))
+        prev = made
+    out, expected, g, h, real, _ = lowered_steps(t, records, n_ids=5)
+    assert real.replayed_steps >= 3
+    initial = {W, 998, 999, *range(1009, 2000, 10)}  # (the first step's previous Y and V)
+    assert normalized(g, expand(g, out), initial) == normalized(h, expected, initial)
+    assert stream_state(g) == stream_state(h)
+    assert g.streams.roots and any(m.views for m in g.streams.storages.values())
