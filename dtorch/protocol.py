@@ -103,6 +103,7 @@ DEFINE_PROGRAM, REPLAY = 30, 31
 RECORDED = 32
 DEFINE_STEP, STEP = 33, 34
 DEFINE_HOST_STEP, HOST_STEP = 35, 36
+DROP_STEP = 37  # (DROP_STEP, template id): a replayed step gone; controller and hosts forget it
 
 # the first frame of what the main controller sends a node agent: a batch it relays to its
 # hosts without decoding it, or a control record for the agent itself

@@ -364,6 +364,9 @@ class ReplayedStep:
         self.__doc__ = getattr(fn, "__doc__", None)
         self.replays = 0
         self.template_id = next(_template_ids)  # the controller keeps one template a step
+        # ... until the step is gone (not at exit: the runtime goes then anyway)
+        self._drop = weakref.finalize(self, _session.release_step, self.template_id)
+        self._drop.atexit = False
         self._lock = threading.RLock()
         self.reset()
 

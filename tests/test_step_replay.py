@@ -5,6 +5,7 @@ step, bit for bit (the same records reach the devices), and torch's where a mode
 with torch; the guards send a changed step back to learning, and a step that cannot replay
 runs as Python and says why."""
 
+import gc
 import threading
 import warnings
 
@@ -518,3 +519,25 @@ def test_a_pipeline_step_replays_and_is_lowered_from_its_record():
     for k, (a, b) in enumerate(zip(seen, plain)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), k
     assert all(torch.equal(x, y) for x, y in zip(weights, plain_weights))
+
+
+def test_a_collected_step_tells_the_runtime_to_forget_it(one):
+    """When a ReplayedStep is collected its template id is queued for the controller, which
+    drops the template and the hosts' definition (``test_step_templates``); the runtime goes
+    on, and a new step learns again."""
+    from dtorch.client import session
+
+    x = dtorch.from_torch(torch.arange(6.0), device_mesh=one, placements=[R])
+    step = dtorch.replayed_step(lambda t: t * 2.0 + 1.0)
+    for _ in range(4):
+        step(x)
+    assert step.replays == 2
+    _, release, args, _ = step._drop.peek()
+    assert release is session.release_step and args == (step.template_id,)
+    drop = step._drop
+    del step
+    gc.collect()
+    assert not drop.alive  # (it ran)
+    again = dtorch.replayed_step(lambda t: t * 2.0 + 1.0)
+    got = [again(x).to_torch() for _ in range(4)]
+    assert again.replays == 2 and all(torch.equal(g, torch.arange(6.0) * 2 + 1) for g in got)

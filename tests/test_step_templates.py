@@ -260,3 +260,30 @@ def test_a_view_kept_to_the_next_step_and_released_there():
     assert normalized(g, expand(g, out), initial) == normalized(h, expected, initial)
     assert stream_state(g) == stream_state(h)
     assert g.streams.roots and any(m.views for m in g.streams.storages.values())
+
+
+def test_a_dropped_step_is_forgotten_by_the_controller_and_the_hosts():
+    """``DROP_STEP`` (a ReplayedStep collected): the controller drops the template, the
+    lowering's definition kept for late hosts, and passes the drop on to the hosts in the
+    batch's order; a host forgets the definition. A template never learnt sends nothing."""
+    from types import SimpleNamespace
+
+    from dtorch.controller.main import Batch
+    from dtorch.runtime.host import Host
+
+    out, _, g, _, real, st = lowered_steps(with_collective(4), steps(6))
+    assert st.lowering.learnt is not None
+    other = StepTemplate([P.DEFINE_STEP, 2, 2 * MADE + 1, template()])
+    controller = SimpleNamespace(step_templates={1: st, 2: other}, graph=g)
+    batch = Batch()
+    Controller.take_drop_step(controller, [P.DROP_STEP, 1], batch)
+    assert controller.step_templates == {2: other} and batch.nodes == [[P.DROP_STEP, 1]]
+    assert not [d for d in g.definitions if d[0] == P.DEFINE_HOST_STEP]
+    batch = Batch()
+    Controller.take_drop_step(controller, [P.DROP_STEP, 2], batch)
+    Controller.take_drop_step(controller, [P.DROP_STEP, 3], batch)  # (unknown: nothing)
+    assert controller.step_templates == {} and batch.nodes == []
+    host = SimpleNamespace(host_steps={1: "entries", 5: "others"})
+    Host.HANDLERS[P.DROP_STEP](host, [P.DROP_STEP, 1])
+    Host.HANDLERS[P.DROP_STEP](host, [P.DROP_STEP, 1])  # (twice: no error)
+    assert host.host_steps == {5: "others"}

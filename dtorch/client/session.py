@@ -110,6 +110,18 @@ def release_id(tensor_id: int) -> None:
             s.watch(tensor_id)
 
 
+def release_step(template_id: int) -> None:
+    """A ``ReplayedStep`` is gone: the controller and the hosts forget its template and what
+    they learnt of it. Queued as ``release`` queues an id (it never flushes: a garbage
+    collection may run it inside a flush)."""
+    s = _current
+    if s is not None and not s.closed:
+        records = s.records
+        if not records:
+            s.wake()
+        records.append([P.DROP_STEP, template_id])
+
+
 def install_recorder(recorder) -> None:
     """Every session from now on, the current one included, hands its calls to ``recorder``
     (``Session.recorder``: autograd's tape installs itself once a tensor requires grad)."""

@@ -256,6 +256,16 @@ class Controller:
     def take_step_definition(self, rec, batch: Batch) -> None:
         self.step_templates[rec[1]] = StepTemplate(rec)
 
+    def take_drop_step(self, rec, batch: Batch) -> None:
+        """A replayed step is gone: its template goes, and its lowering's definition (here
+        and, in the batch's order, on the hosts), if it had one."""
+        template = self.step_templates.pop(rec[1], None)
+        lowering = template.lowering if template is not None else None
+        if lowering is not None and lowering.learnt is not None:
+            self.graph.definitions[:] = [d for d in self.graph.definitions if not (
+                d[0] == P.DEFINE_HOST_STEP and d[1] == lowering.definition)]
+            batch.nodes.append([P.DROP_STEP, lowering.definition])
+
     def take_step(self, rec, batch: Batch) -> None:
         if batch.step is not None or rec[1] not in self.step_templates:
             raise LostBatch(f"a replayed step's record the controller cannot take: {rec[:2]}")
@@ -269,7 +279,7 @@ class Controller:
         P.DEFINE_MESH: take_mesh, P.DEFINE_SPEC: take_definition, P.DEFINE_CALL: take_call,
         P.SYNC: take_sync, P.CLUSTER_QUERY: take_cluster_query, P.SHUTDOWN: take_shutdown,
         P.GRAPH: take_graph_dir, P.TRACE: take_trace,
-        P.DEFINE_STEP: take_step_definition, P.STEP: take_step,
+        P.DEFINE_STEP: take_step_definition, P.STEP: take_step, P.DROP_STEP: take_drop_step,
     }
 
     def lowered(self, nodes: list) -> list:

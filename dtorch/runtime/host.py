@@ -201,6 +201,9 @@ class Host:
             else:
                 handlers[r[0]](self, r)
 
+    def on_drop_step(self, rec) -> None:
+        self.host_steps.pop(rec[1], None)
+
     def on_replay(self, rec) -> None:
         """A window of a program's shape: one task per local device, its outside inputs' blobs
         found now (as a kernel's are when it is queued), then the ones it releases let go."""
@@ -398,6 +401,7 @@ class Host:
         P.REPLAY: on_replay,
         P.DEFINE_HOST_STEP: on_define_host_step,
         P.HOST_STEP: on_host_step,
+        P.DROP_STEP: on_drop_step,
     }
 
     # -- main loop ------------------------------------------------------------------------------
