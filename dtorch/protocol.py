@@ -219,24 +219,16 @@ RECORD_ENTRY, RELEASE_ENTRY, CHAIN_ENTRY = 0, 1, 2  # a DefineHostStep entry's k
 
 def host_step_records(entries, values) -> list:
     """The records a HostStep stands for: ``entries`` (``DefineHostStep``) with ``values``."""
-    out = []
-    for kind, fields, holes in entries:
-        if kind == RELEASE_ENTRY:
-            out.append(fields if holes < 0 else values[holes])
-        elif kind == RECORD_ENTRY:
-            rec = list(fields)
-            for k, j in holes:
-                rec[k] = values[j]
-            out.append(rec)
-        else:
-            chain = [CHAIN]
-            for member, member_holes in fields:
-                rec = list(member)
-                for k, j in member_holes:
-                    rec[k] = values[j]
-                chain.append(rec)
-            out.append(chain)
-    return out
+    def filled(fields, holes):
+        rec = list(fields)
+        for k, j in holes:
+            rec[k] = values[j]
+        return rec
+
+    return [(fields if holes < 0 else values[holes]) if kind == RELEASE_ENTRY
+            else filled(fields, holes) if kind == RECORD_ENTRY
+            else [CHAIN, *(filled(*member) for member in fields)]
+            for kind, fields, holes in entries]
 
 
 # Step:   (STEP, template, *ids, *dynamic scalars)   client -> controller, alone in its batch

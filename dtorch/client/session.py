@@ -102,24 +102,26 @@ def release_id(tensor_id: int) -> None:
     it)."""
     s = _current
     if s is not None and not s.closed and tensor_id > s.first_id:  # (not an ended runtime's)
-        records = s.records
-        if not records:
-            s.wake()
-        records.append(tensor_id)
+        _queue(s, tensor_id)
         if s.watch is not None:
             s.watch(tensor_id)
 
 
 def release_step(template_id: int) -> None:
     """A ``ReplayedStep`` is gone: the controller and the hosts forget its template and what
-    they learnt of it. Queued as ``release`` queues an id (it never flushes: a garbage
-    collection may run it inside a flush)."""
+    they learnt of it. Queued as ``release`` queues an id."""
     s = _current
     if s is not None and not s.closed:
-        records = s.records
-        if not records:
-            s.wake()
-        records.append([P.DROP_STEP, template_id])
+        _queue(s, [P.DROP_STEP, template_id])
+
+
+def _queue(s, record) -> None:
+    """``record`` after the buffered ones, never flushing (a garbage collection may run this
+    inside a flush, whose lock is held); the first record of a batch wakes the flusher."""
+    records = s.records
+    if not records:
+        s.wake()
+    records.append(record)
 
 
 def install_recorder(recorder) -> None:

@@ -183,21 +183,21 @@ class Controller:
         except LostBatch as e:
             self.fatal(str(e))
             return
-        records_out = batch.definitions
+        records_out, steps_before = batch.definitions, self.replayer.replayed_steps
         if batch.step is None:
             self.replayer.run(nodes, records_out, hold)
         else:  # (a Step comes alone in its batch; records before it go first all the same)
             self.replayer.run(nodes, records_out)
-            replayed, made = self.replayer.replayed, self.replayer.replayed_steps
+            replayed = self.replayer.replayed
             self.replayer.run_step(self.step_templates[batch.step[1]], batch.step, records_out)
             self.replayer.replayed += replayed
-            made = self.replayer.replayed_steps - made
         replayed = self.replayer.replayed
+        made = self.replayer.replayed_steps - steps_before
         if self.trace_events is not None:  # tracing: the batch's passes, for dtorch.profiler
             self.trace_events.append(
                 (f"passes: {len(records)} records -> {len(records_out)}"
                  + (f", {replayed} windows replayed" if replayed else "")
-                 + (", a step lowered from its record" if batch.step and made else ""),
+                 + (", a step lowered from its record" if made else ""),
                  P.CONTROLLER, P.CONTROLLER, started, time.time_ns(), 0))
             if batch.stop is not None:  # the batch that stopped the trace: answer with the hosts
                 self.reports.send(P.TRACE_EVENTS, [P.pack(P.TraceEvents(

@@ -377,8 +377,8 @@ class Replayer:
         if lowering is None:
             lowering = template.lowering = StepLowering(template, self.graph.calls)
         if lowering.learnt is not None and lowering.replay(self.graph, ids, dynamic, out):
-            self.replayed += lowering.learnt[-1]
-            self.replayed_windows += lowering.learnt[-1]
+            self.replayed += lowering.learnt.windows
+            self.replayed_windows += lowering.learnt.windows
             self.replayed_steps += 1
             return
         lowering.observe(self, ids, dynamic, out)

@@ -24,6 +24,8 @@ passes pass along as they are.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .. import protocol as P
 
 LEARN_TRIES = 8  # observed expansions in a row, none learnt or replayed, before a step that
@@ -47,11 +49,23 @@ def given(value, source: int):
     return out
 
 
+class Learnt(NamedTuple):
+    """A step's lowering as observed: the names the state held before (indices in ids + fixed
+    ids), that state's shape, the names after (temporaries after those), the moves, the
+    entries, the temporaries made, and the REPLAY records among the entries."""
+
+    before_names: list
+    shape: tuple
+    after_names: list
+    moves: tuple
+    entries: tuple
+    n_temps: int
+    windows: int
+
+
 class StepLowering:
-    """What the controller learnt of one ``StepTemplate``'s lowering. ``learnt``: ``(the
-    names the state reached before (indices in ids + fixed ids), that state's shape, the names
-    after (temporaries after those), the moves, the entries, the temporaries made, the REPLAY
-    records among them)``."""
+    """What the controller learnt of one ``StepTemplate``'s lowering (``learnt``, a
+    ``Learnt``)."""
 
     def __init__(self, template, calls: dict):
         self.template = template
@@ -65,19 +79,19 @@ class StepLowering:
     def replay(self, graph, ids: list, dynamic: list, out: list) -> bool:
         """The hosts' records of a Step into ``out`` and the stream state moved on; False
         (nothing done) when the state has not the learnt shape or the ids are not fit."""
-        before_names, shape, after_names, moves, _, n_temps, _ = self.learnt
+        learnt = self.learnt
         if len(set(ids)) != len(ids) or not self.fixed_set.isdisjoint(ids):
             return False
         # (the names the state did not hold before a learnt step are the ids it makes, new
         # in every Step, or ids it does not touch: neither needs looking at)
         names = [*ids, *self.fixed]
         order = graph.streams
-        before = order.project([names[k] for k in before_names])
-        if before.shape != shape:
+        before = order.project([names[k] for k in learnt.before_names])
+        if before.shape != learnt.shape:
             return False
-        temps = [graph.temp_id() for _ in range(n_temps)]
+        temps = [graph.temp_id() for _ in range(learnt.n_temps)]
         names += temps
-        order.restore(moves, before, [names[k] for k in after_names])
+        order.restore(learnt.moves, before, [names[k] for k in learnt.after_names])
         out.append([P.HOST_STEP, self.definition, *ids, *dynamic, *temps])
         self.tries = 0
         return True
@@ -116,7 +130,8 @@ class StepLowering:
             return
         n_replays = sum(1 for kind, fields, _ in entries if kind == RECORD and
                         fields[0] == P.REPLAY)
-        seen = (before_names, before.shape, after_names, moves, entries, len(temps), n_replays)
+        seen = Learnt(before_names, before.shape, after_names, moves, entries, len(temps),
+                      n_replays)
         if seen == self.seen:  # defined to the hosts (and to hosts that start later) under
             # the template's id: a lowering learnt again, or a template the client learnt
             # again, replaces the one before
@@ -148,23 +163,13 @@ def fixed_ids(template, calls: dict) -> list:
 
 
 def marked(template, calls: dict, ids: list, dynamic: list) -> list:
-    """The template's records with this Step's values (``StepTemplate.expand``), each scalar a
-    Step brings a ``Given``."""
-    out, n, d = [], len(ids), 0
-    for e in template.entries:
-        if type(e) is int:
-            out.append(ids[e])
-            continue
-        fields, holes, dyn_at = e
-        rec = list(fields)
+    """The template's records with this Step's values (``StepTemplate.expand``), each value in
+    a scalar's place (a dynamic one, or an id used as a tape key) a ``Given``."""
+    def mark(fields, k, value, source):
         scalars = (2,) if fields[0] == P.RECORDED else calls[fields[P.OP_CALL]].places[1]
-        for k, j in holes:
-            rec[k] = given(ids[j], j) if k in scalars else ids[j]
-        for k in dyn_at:
-            rec[k] = given(dynamic[d], n + d)
-            d += 1
-        out.append(rec)
-    return out
+        return given(value, source) if k in scalars else value
+
+    return template.expand(ids, dynamic, mark)
 
 
 def lowered_entries(records: list, ids: list, n_dynamic: int, temps: list, calls: dict,

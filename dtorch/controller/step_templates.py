@@ -34,10 +34,12 @@ class StepTemplate:
         """A Step record's ids and dynamic scalars."""
         return rec[2:2 + self.n_ids], rec[2 + self.n_ids:]
 
-    def expand(self, ids, dynamic) -> list:
+    def expand(self, ids, dynamic, mark=None) -> list:
         """The step's records with this replay's ids and scalars (lists: the passes write
-        operator records in place)."""
-        out, d = [], 0
+        operator records in place). ``mark(fields, k, value, source)``, if given, gives what
+        goes at place ``k`` instead of ``value``, the Step's ``source``-th value
+        (``step_lowering.marked``)."""
+        out, d, n = [], 0, len(ids)
         for e in self.entries:
             if type(e) is int:
                 out.append(ids[e])
@@ -45,9 +47,9 @@ class StepTemplate:
             fields, holes, dyn_at = e
             rec = list(fields)
             for k, j in holes:
-                rec[k] = ids[j]
+                rec[k] = ids[j] if mark is None else mark(fields, k, ids[j], j)
             for k in dyn_at:
-                rec[k] = dynamic[d]
+                rec[k] = dynamic[d] if mark is None else mark(fields, k, dynamic[d], n + d)
                 d += 1
             out.append(rec)
         return out

@@ -194,12 +194,16 @@ class Host:
 
     def on_host_step(self, rec) -> None:
         """A step the controller lowered from its Step record: its records, as if sent."""
+        self.take(P.host_step_records(self.host_steps[rec[1]], rec[2:]))
+
+    def take(self, records: list) -> None:
+        """A batch's records, each to its handler (a bare id: a release)."""
         handlers = self.HANDLERS
-        for r in P.host_step_records(self.host_steps[rec[1]], rec[2:]):
-            if type(r) is int:
-                self.on_release(r)
+        for rec in records:
+            if type(rec) is int:
+                self.on_release(rec)
             else:
-                handlers[r[0]](self, r)
+                handlers[rec[0]](self, rec)
 
     def on_drop_step(self, rec) -> None:
         self.host_steps.pop(rec[1], None)
@@ -410,7 +414,6 @@ class Host:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._bell_r, zmq.POLLIN)
-        handlers = self.HANDLERS
         while True:
             for sock, _ in poller.poll():
                 if sock == self._bell_r:
@@ -423,11 +426,7 @@ class Host:
                     log.error("[dtorch host %d] dropped a batch that does not decode: %s",
                               self.index, e)
                     continue
-                for rec in records:
-                    if type(rec) is int:
-                        self.on_release(rec)
-                    else:
-                        handlers[rec[0]](self, rec)
+                self.take(records)
                 for dev in self.devices.values():
                     for stream in dev.streams.values():
                         stream.submit()
